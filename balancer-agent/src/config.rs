@@ -1,0 +1,360 @@
+//! The configuration file: the agent's public interface. Keys are never renamed; new keys
+//! get defaults so that old files keep working. Loading either yields a configuration that
+//! the data path can carry out, or an error naming the file, the key and the problem.
+
+use std::{
+    collections::HashSet,
+    fmt,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use balancer_common::{DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_VIPS};
+use serde::Deserialize;
+
+/// At least 100 Maglev slots per server keeps each server's share within 1% of its weight.
+pub const MAX_SERVERS_PER_POOL: usize = (MAGLEV_SIZE / 100) as usize;
+/// Weights are relative; a cap keeps the Maglev fill loop's counters small.
+pub const MAX_WEIGHT: u32 = 1_000_000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub agent: Agent,
+    #[serde(default)]
+    pub pool: Vec<Pool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Agent {
+    /// Interfaces the program is attached to.
+    pub interfaces: Vec<String>,
+    /// Unix socket of the CLI.
+    #[serde(default = "default_control_socket")]
+    pub control_socket: PathBuf,
+    /// Flow-table capacity in entries; each connection takes two (one per direction).
+    /// Read at start only: the table is created once.
+    #[serde(default = "default_flow_entries")]
+    pub flow_table_entries: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pool {
+    pub name: String,
+    pub vip: IpAddr,
+    pub port: u16,
+    /// A connection idle for longer than this loses its backend.
+    #[serde(default = "default_idle_timeout_s")]
+    pub idle_timeout_s: u32,
+    #[serde(default)]
+    pub server: Vec<Server>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    pub address: IpAddr,
+    /// Inference API port.
+    pub port: u16,
+    /// Port of the Prometheus metrics endpoint.
+    pub metrics_port: u16,
+    /// Relative weight; 0 takes no new connection.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_control_socket() -> PathBuf {
+    PathBuf::from("/run/balancer/agent.sock")
+}
+fn default_flow_entries() -> u32 {
+    DEFAULT_FLOW_ENTRIES
+}
+fn default_idle_timeout_s() -> u32 {
+    DEFAULT_IDLE_TIMEOUT_S
+}
+fn default_weight() -> u32 {
+    100
+}
+
+/// A configuration that could not be loaded, with where and why.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    pub key: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "{}: {}", self.file.display(), self.problem)
+        } else {
+            write!(
+                f,
+                "{}: `{}`: {}",
+                self.file.display(),
+                self.key,
+                self.problem
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    pub fn load(file: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(file).map_err(|e| ConfigError {
+            file: file.to_owned(),
+            key: String::new(),
+            problem: format!("cannot read: {e}"),
+        })?;
+        Config::parse(file, &text)
+    }
+
+    pub fn parse(file: &Path, text: &str) -> Result<Config, ConfigError> {
+        let err = |key: String, problem: String| ConfigError {
+            file: file.to_owned(),
+            key,
+            problem,
+        };
+        let config: Config = toml::from_str(text).map_err(|e| {
+            // toml names the key in its message; keep it on one line.
+            err(String::new(), e.to_string().trim().replace('\n', " "))
+        })?;
+        config
+            .validate()
+            .map_err(|(key, problem)| err(key, problem))?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        let a = &self.agent;
+        if a.interfaces.is_empty() {
+            return Err((
+                "agent.interfaces".into(),
+                "needs at least one interface".into(),
+            ));
+        }
+        let mut seen = HashSet::new();
+        for name in &a.interfaces {
+            if name.is_empty() || name.len() > 15 || name.contains(['/', ' ']) {
+                return Err((
+                    "agent.interfaces".into(),
+                    format!("{name:?} is not a valid interface name"),
+                ));
+            }
+            if !seen.insert(name) {
+                return Err((
+                    "agent.interfaces".into(),
+                    format!("{name:?} is listed twice"),
+                ));
+            }
+        }
+        if a.control_socket.as_os_str().is_empty() {
+            return Err(("agent.control_socket".into(), "must not be empty".into()));
+        }
+        if !(1024..=1 << 26).contains(&a.flow_table_entries) {
+            return Err((
+                "agent.flow_table_entries".into(),
+                format!("{} is outside 1024..=67108864", a.flow_table_entries),
+            ));
+        }
+        if self.pool.len() > MAX_VIPS as usize {
+            return Err((
+                "pool".into(),
+                format!("at most {MAX_VIPS} pools are supported"),
+            ));
+        }
+        let mut names = HashSet::new();
+        let mut vips = HashSet::new();
+        for (i, p) in self.pool.iter().enumerate() {
+            let at = |k: &str| format!("pool[{i}].{k}");
+            if p.name.is_empty() || p.name.contains(char::is_whitespace) {
+                return Err((
+                    at("name"),
+                    format!("{:?} must be non-empty, without spaces", p.name),
+                ));
+            }
+            if !names.insert(&p.name) {
+                return Err((at("name"), format!("{:?} is used by two pools", p.name)));
+            }
+            if p.port == 0 {
+                return Err((at("port"), "must be 1-65535".into()));
+            }
+            if !is_routable(p.vip) {
+                return Err((at("vip"), format!("{} cannot be a VIP", p.vip)));
+            }
+            if !vips.insert((p.vip, p.port)) {
+                return Err((
+                    at("vip"),
+                    format!("{}:{} is used by two pools", p.vip, p.port),
+                ));
+            }
+            if p.idle_timeout_s == 0 || p.idle_timeout_s > 7 * 24 * 3600 {
+                return Err((at("idle_timeout_s"), "must be 1 s to 7 days".into()));
+            }
+            if p.server.len() > MAX_SERVERS_PER_POOL {
+                return Err((
+                    at("server"),
+                    format!("at most {MAX_SERVERS_PER_POOL} servers per pool"),
+                ));
+            }
+            let mut servers = HashSet::new();
+            for (j, s) in p.server.iter().enumerate() {
+                let at = |k: &str| format!("pool[{i}].server[{j}].{k}");
+                if s.address.is_ipv4() != p.vip.is_ipv4() {
+                    return Err((
+                        at("address"),
+                        format!("{} is not of the VIP's family ({})", s.address, p.vip),
+                    ));
+                }
+                if !is_routable(s.address) {
+                    return Err((at("address"), format!("{} cannot be a server", s.address)));
+                }
+                if s.port == 0 {
+                    return Err((at("port"), "must be 1-65535".into()));
+                }
+                if s.metrics_port == 0 {
+                    return Err((at("metrics_port"), "must be 1-65535".into()));
+                }
+                if s.weight > MAX_WEIGHT {
+                    return Err((at("weight"), format!("must be 0-{MAX_WEIGHT}")));
+                }
+                if !servers.insert((s.address, s.port)) {
+                    return Err((
+                        at("address"),
+                        format!("{}:{} is listed twice in this pool", s.address, s.port),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn is_routable(a: IpAddr) -> bool {
+    !(a.is_unspecified() || a.is_loopback() || a.is_multicast())
+        && !matches!(a, IpAddr::V4(v4) if v4.is_broadcast())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[agent]
+interfaces = ["eth0", "eth1"]
+control_socket = "/run/balancer/agent.sock"
+
+[[pool]]
+name = "chat-pool"
+vip = "192.0.2.60"
+port = 8000
+
+[[pool.server]]
+address = "10.4.0.11"
+port = 8000
+metrics_port = 8001
+weight = 100
+
+[[pool.server]]
+address = "10.4.0.12"
+port = 8000
+metrics_port = 8001
+"#;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(Path::new("balancer.toml"), text).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_documented_example_loads_with_defaults() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.agent.flow_table_entries, DEFAULT_FLOW_ENTRIES);
+        assert_eq!(c.pool[0].idle_timeout_s, 600);
+        assert_eq!(c.pool[0].server[1].weight, 100);
+        assert_eq!(c.pool[0].vip, "192.0.2.60".parse::<IpAddr>().unwrap());
+    }
+
+    /// Each bad value must name the file and the key, and say what is wrong.
+    #[test]
+    fn bad_values_name_file_key_and_problem() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("weight = 100", "weight = \"heavy\"", "weight"),
+            ("weight = 100", "weight = -1", "weight"),
+            (
+                "weight = 100",
+                "weight = 2000000",
+                "pool[0].server[0].weight",
+            ),
+            ("address = \"10.4.0.11\"", "address = \"10.4.0\"", "address"),
+            (
+                "address = \"10.4.0.11\"",
+                "address = \"fd00::1\"",
+                "pool[0].server[0].address",
+            ),
+            ("vip = \"192.0.2.60\"", "vip = \"0.0.0.0\"", "pool[0].vip"),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 0\n\n[[pool.server]]",
+                "pool[0].port",
+            ),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 70000\n\n[[pool.server]]",
+                "port",
+            ),
+            (
+                "metrics_port = 8001\nweight",
+                "metrics_port = 0\nweight",
+                "metrics_port",
+            ),
+            (
+                "interfaces = [\"eth0\", \"eth1\"]",
+                "interfaces = []",
+                "agent.interfaces",
+            ),
+            (
+                "interfaces = [\"eth0\", \"eth1\"]",
+                "interfaces = [\"eth0\", \"eth0\"]",
+                "agent.interfaces",
+            ),
+            (
+                "interfaces = [\"eth0\", \"eth1\"]",
+                "interfaces = \"eth0\"",
+                "interfaces",
+            ),
+            ("name = \"chat-pool\"", "name = \"\"", "pool[0].name"),
+            ("name = \"chat-pool\"", "nmae = \"chat-pool\"", "nmae"),
+            ("10.4.0.12", "10.4.0.11", "pool[0].server[1].address"),
+        ];
+        for (from, to, key) in cases {
+            assert!(GOOD.contains(from), "{from}");
+            let text = GOOD.replacen(from, to, 1);
+            let err = parse(&text).expect_err(to);
+            assert!(err.starts_with("balancer.toml: "), "{err}");
+            assert!(err.contains(key), "{to}: {err}");
+        }
+    }
+
+    #[test]
+    fn duplicate_pools_are_refused() {
+        let text =
+            format!("{GOOD}\n[[pool]]\nname = \"chat-pool\"\nvip = \"192.0.2.61\"\nport = 8000\n");
+        assert!(parse(&text).unwrap_err().contains("used by two pools"));
+        let text =
+            format!("{GOOD}\n[[pool]]\nname = \"other\"\nvip = \"192.0.2.60\"\nport = 8000\n");
+        assert!(parse(&text)
+            .unwrap_err()
+            .contains("192.0.2.60:8000 is used by two pools"));
+    }
+
+    #[test]
+    fn not_toml_is_an_error_not_a_panic() {
+        assert!(parse("[agent\ninterfaces=").is_err());
+        assert!(parse("").unwrap_err().contains("agent"));
+    }
+}

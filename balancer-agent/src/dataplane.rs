@@ -1,0 +1,266 @@
+//! The loaded XDP program and its maps: load, attach, write a plan, read the counters.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    os::fd::{AsFd, AsRawFd},
+    ptr::NonNull,
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues},
+    programs::{xdp::XdpLinkId, Xdp, XdpMode},
+    Ebpf, EbpfLoader,
+};
+use balancer_common::{
+    Backend, BackendStats, Counter, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
+};
+use tracing::{info, warn};
+
+use crate::{objects, plan::Plan};
+
+/// The Maglev array, mapped into our memory (it is created `BPF_F_MMAPABLE`), so that a
+/// table of 16381 slots is written with stores instead of 16381 syscalls.
+struct MaglevMap {
+    ptr: NonNull<u32>,
+    len: usize,
+    // Keeps the map alive as long as the mapping.
+    _map: MapData,
+}
+
+impl MaglevMap {
+    fn new(map: Map) -> Result<Self> {
+        let Map::Array(data) = map else {
+            bail!("MAGLEV is not an array map");
+        };
+        let len = (MAGLEV_TABLES * MAGLEV_SIZE) as usize;
+        let bytes = len * std::mem::size_of::<u32>();
+        // SAFETY: mapping a BPF array fd read-write, shared, for its exact size; checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                data.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).context("mmap of the MAGLEV map");
+        }
+        Ok(MaglevMap {
+            ptr: NonNull::new(ptr.cast()).context("mmap returned null")?,
+            len,
+            _map: data,
+        })
+    }
+
+    fn table(&mut self, index: u32) -> &mut [u32] {
+        let start = (index * MAGLEV_SIZE) as usize;
+        // SAFETY: the mapping covers `len` u32s and `index < MAGLEV_TABLES`; the program
+        // only reads it, and the agent is its only writer.
+        let all = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
+        &mut all[start..start + MAGLEV_SIZE as usize]
+    }
+}
+
+impl Drop for MaglevMap {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `new` mapped.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len * 4) };
+    }
+}
+
+// SAFETY: the mapping is plain shared memory owned by this struct.
+unsafe impl Send for MaglevMap {}
+
+pub struct Dataplane {
+    ebpf: Ebpf,
+    vips: BpfHashMap<MapData, VipKey, VipInfo>,
+    backends: Array<MapData, Backend>,
+    maglev: MaglevMap,
+    counters: PerCpuArray<MapData, u64>,
+    backend_stats: PerCpuArray<MapData, BackendStats>,
+    /// What each VIP id's entry holds now, and under which key.
+    installed: HashMap<u32, (VipKey, VipInfo)>,
+    links: BTreeMap<String, XdpLinkId>,
+}
+
+fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map> {
+    ebpf.take_map(name)
+        .ok_or_else(|| anyhow!("the program has no map {name}"))
+}
+
+impl Dataplane {
+    /// Loads the program and creates its maps (the flow table with `flow_entries` entries).
+    pub fn load(flow_entries: u32) -> Result<Self> {
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries("FLOWS", flow_entries)
+            .load(objects::BALANCER)
+            .context("loading the XDP object")?;
+        let prog: &mut Xdp = ebpf
+            .program_mut("balancer")
+            .context("the object has no program `balancer`")?
+            .try_into()?;
+        prog.load().context("the kernel refused the XDP program")?;
+        let vips = BpfHashMap::try_from(take(&mut ebpf, "VIPS")?)?;
+        let backends = Array::try_from(take(&mut ebpf, "BACKENDS")?)?;
+        let maglev = MaglevMap::new(take(&mut ebpf, "MAGLEV")?)?;
+        let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
+        let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
+        Ok(Dataplane {
+            ebpf,
+            vips,
+            backends,
+            maglev,
+            counters,
+            backend_stats,
+            installed: HashMap::new(),
+            links: BTreeMap::new(),
+        })
+    }
+
+    /// The program itself, for attaching elsewhere or for BPF_PROG_TEST_RUN.
+    pub fn program(&mut self) -> &mut Xdp {
+        self.ebpf
+            .program_mut("balancer")
+            .and_then(|p| p.try_into().ok())
+            .expect("checked at load")
+    }
+
+    /// Makes the maps hold `plan`. New flows see either the old or the new table of a VIP,
+    /// never a mix: backends are written first, then the VIP's idle table, then the VIP entry
+    /// flips to it in one map update. Established flows follow their flow entries and are
+    /// not touched.
+    pub fn apply(&mut self, plan: &Plan) -> Result<()> {
+        for (id, backend) in &plan.backends {
+            self.backends
+                .set(*id, backend, 0)
+                .with_context(|| format!("writing backend {id}"))?;
+        }
+        for vip in &plan.vips {
+            let installed = self.installed.get(&vip.vip_id).copied();
+            let active = installed.map(|(_, info)| info.table);
+            let unchanged = active.is_some_and(|t| self.maglev.table(t) == vip.table.as_slice());
+            let table = match active {
+                Some(t) if unchanged => t,
+                // The other table of this VIP's pair.
+                Some(t) => t ^ 1,
+                None => vip.vip_id * 2,
+            };
+            if !unchanged {
+                self.maglev.table(table).copy_from_slice(&vip.table);
+            }
+            let info = VipInfo {
+                vip_id: vip.vip_id,
+                table,
+                idle_timeout_s: vip.idle_timeout_s,
+                live_backends: vip.live_backends,
+            };
+            if installed != Some((vip.key, info)) {
+                self.vips
+                    .insert(vip.key, info, 0)
+                    .with_context(|| format!("writing the VIP of pool {}", vip.pool))?;
+                if let Some((old_key, _)) = installed.filter(|(k, _)| *k != vip.key) {
+                    self.vips.remove(&old_key).ok();
+                }
+                self.installed.insert(vip.vip_id, (vip.key, info));
+            }
+        }
+        let gone: Vec<u32> = self
+            .installed
+            .keys()
+            .copied()
+            .filter(|id| !plan.vips.iter().any(|v| v.vip_id == *id))
+            .collect();
+        for id in gone {
+            if let Some((key, _)) = self.installed.remove(&id) {
+                self.vips.remove(&key).context("removing a VIP")?;
+            }
+        }
+        // After the flips no table names a retired backend. Its established flows keep
+        // their cached address; its counters stay until the id is reused.
+        for id in &plan.retired {
+            self.backends
+                .set(*id, Backend::default(), 0)
+                .with_context(|| format!("retiring backend {id}"))?;
+        }
+        Ok(())
+    }
+
+    /// Attaches to exactly `interfaces`: new ones are attached, others detached. Native mode
+    /// first; generic (skb) mode when the driver has no XDP support.
+    pub fn attach(&mut self, interfaces: &[String]) -> Result<()> {
+        for name in interfaces {
+            if self.links.contains_key(name) {
+                continue;
+            }
+            let prog = self.program();
+            let link = match prog.attach(name, XdpMode::Driver) {
+                Ok(link) => link,
+                Err(native) => {
+                    let link = prog.attach(name, XdpMode::Skb).with_context(|| {
+                        format!("attaching to {name} (native mode failed too: {native})")
+                    })?;
+                    warn!(interface = %name, "native XDP unavailable ({native}); attached in generic mode");
+                    link
+                }
+            };
+            info!(interface = %name, "attached");
+            self.links.insert(name.clone(), link);
+        }
+        let stale: Vec<String> = self
+            .links
+            .keys()
+            .filter(|n| !interfaces.contains(n))
+            .cloned()
+            .collect();
+        for name in stale {
+            self.detach_one(&name)?;
+        }
+        Ok(())
+    }
+
+    pub fn detach_all(&mut self) -> Result<()> {
+        let names: Vec<String> = self.links.keys().cloned().collect();
+        for name in names {
+            self.detach_one(&name)?;
+        }
+        Ok(())
+    }
+
+    fn detach_one(&mut self, name: &str) -> Result<()> {
+        if let Some(link) = self.links.remove(name) {
+            self.program()
+                .detach(link)
+                .with_context(|| format!("detaching from {name}"))?;
+            info!(interface = %name, "detached");
+        }
+        Ok(())
+    }
+
+    /// The program's counters, summed over CPUs.
+    pub fn counters(&self) -> Result<Vec<(Counter, u64)>> {
+        Counter::ALL
+            .iter()
+            .map(|c| {
+                let values: PerCpuValues<u64> = self.counters.get(&(*c as u32), 0)?;
+                Ok((*c, values.iter().sum()))
+            })
+            .collect()
+    }
+
+    /// One backend's counters, summed over CPUs.
+    pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
+        let values = self.backend_stats.get(&id, 0)?;
+        Ok(values
+            .iter()
+            .fold(BackendStats::default(), |a, v| BackendStats {
+                flows_opened: a.flows_opened + v.flows_opened,
+                flows_closed: a.flows_closed + v.flows_closed,
+                packets: a.packets + v.packets,
+                bytes: a.bytes + v.bytes,
+            }))
+    }
+}

@@ -1,0 +1,8 @@
+//! The compiled XDP objects, embedded so that the agent is one self-contained binary.
+
+/// The load balancer: program `balancer` and its maps.
+pub static BALANCER: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/balancer"));
+
+/// A program that returns XDP_PASS: the floor of packet-cost benchmarks, and what a veth
+/// peer needs before it accepts frames that our program sends to it.
+pub static PASS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pass"));

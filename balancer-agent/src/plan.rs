@@ -1,0 +1,295 @@
+//! From a configuration to the contents of the maps: stable ids for VIPs and backends, and
+//! one Maglev table per VIP. Pure code; `dataplane` writes the result.
+
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Result};
+use balancer_common::{
+    addr_words, Backend, VipKey, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS,
+    MAX_VIPS,
+};
+
+use crate::{
+    config::Config,
+    maglev::{build_table, MaglevBackend},
+};
+
+/// What the maps should hold for one VIP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VipPlan {
+    pub pool: String,
+    pub vip_id: u32,
+    pub key: VipKey,
+    pub idle_timeout_s: u32,
+    /// Backends with weight > 0.
+    pub live_backends: u32,
+    /// `MAGLEV_SIZE` backend ids.
+    pub table: Vec<u32>,
+}
+
+/// What the maps should hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub vips: Vec<VipPlan>,
+    /// Every configured backend, by id.
+    pub backends: Vec<(u32, Backend)>,
+    /// Ids of servers that left the configuration: no new flow may pick them.
+    pub retired: Vec<u32>,
+}
+
+/// A server's identity: the same server in two pools gets two ids, so that its per-pool
+/// counters stay apart.
+type ServerKey = (String, IpAddr, u16);
+
+/// Hands out ids that stay the same across reloads, and reuses an id only after every flow
+/// that could still name it has timed out, so that per-backend counters never mix two
+/// servers.
+pub struct Ids {
+    backends: HashMap<ServerKey, u32>,
+    vips: HashMap<String, u32>,
+    /// Ids no longer configured, and when they may be reused.
+    quarantine: Vec<(u32, Instant)>,
+    next_backend: u32,
+}
+
+impl Default for Ids {
+    fn default() -> Self {
+        Ids {
+            backends: HashMap::new(),
+            vips: HashMap::new(),
+            quarantine: Vec::new(),
+            // Id 0 is reserved: a zeroed Maglev slot means "no backend".
+            next_backend: 1,
+        }
+    }
+}
+
+impl Ids {
+    /// Assigns ids for `config` and computes the maps' contents. Fails, changing nothing,
+    /// when the ids run out.
+    pub fn plan(&mut self, config: &Config, now: Instant) -> Result<Plan> {
+        let mut next = Ids {
+            backends: HashMap::new(),
+            vips: HashMap::new(),
+            quarantine: self
+                .quarantine
+                .iter()
+                .copied()
+                .filter(|(_, until)| *until > now)
+                .collect(),
+            next_backend: self.next_backend,
+        };
+        let mut used_vips: Vec<u32> = config
+            .pool
+            .iter()
+            .filter_map(|p| self.vips.get(&p.name).copied())
+            .collect();
+        let mut plan = Plan {
+            vips: Vec::new(),
+            backends: Vec::new(),
+            retired: Vec::new(),
+        };
+        for pool in &config.pool {
+            let vip_id = match self.vips.get(&pool.name) {
+                Some(&id) => id,
+                None => {
+                    let Some(id) = (0..MAX_VIPS).find(|id| !used_vips.contains(id)) else {
+                        bail!("no free VIP slot for pool {}", pool.name);
+                    };
+                    used_vips.push(id);
+                    id
+                }
+            };
+            next.vips.insert(pool.name.clone(), vip_id);
+            let (addr, family) = addr_words(pool.vip);
+            let mut members = Vec::new();
+            let mut keys = Vec::new();
+            for s in &pool.server {
+                let key = (pool.name.clone(), s.address, s.port);
+                let id = match self.backends.get(&key) {
+                    Some(&id) => id,
+                    None => next.fresh_backend_id(&self.backends)?,
+                };
+                next.backends.insert(key, id);
+                let (addr, family) = addr_words(s.address);
+                plan.backends.push((
+                    id,
+                    Backend {
+                        addr,
+                        port: s.port.to_be(),
+                        family,
+                        flags: BACKEND_F_PRESENT,
+                    },
+                ));
+                keys.push((
+                    id,
+                    format!("{}", std::net::SocketAddr::new(s.address, s.port)),
+                ));
+                members.push((id, s.weight));
+            }
+            let maglev: Vec<MaglevBackend<'_>> = keys
+                .iter()
+                .zip(&members)
+                .map(|((id, key), (_, weight))| MaglevBackend {
+                    id: *id,
+                    key,
+                    weight: *weight,
+                })
+                .collect();
+            plan.vips.push(VipPlan {
+                pool: pool.name.clone(),
+                vip_id,
+                key: VipKey {
+                    addr,
+                    port: pool.port.to_be(),
+                    proto: IPPROTO_TCP,
+                    family,
+                },
+                idle_timeout_s: pool.idle_timeout_s,
+                live_backends: members.iter().filter(|(_, w)| *w > 0).count() as u32,
+                table: build_table(&maglev, MAGLEV_SIZE),
+            });
+        }
+        // Flows may name a retired id until the longest idle timeout has passed.
+        let hold = Duration::from_secs(
+            u64::from(
+                config
+                    .pool
+                    .iter()
+                    .map(|p| p.idle_timeout_s)
+                    .max()
+                    .unwrap_or(0),
+            ) + 60,
+        );
+        for (key, id) in &self.backends {
+            if !next.backends.contains_key(key) {
+                plan.retired.push(*id);
+                next.quarantine.push((*id, now + hold));
+            }
+        }
+        plan.retired.sort_unstable();
+        *self = next;
+        Ok(plan)
+    }
+
+    /// `old` holds the ids of the previous configuration: those not kept are retired, so
+    /// none of them is free yet.
+    fn fresh_backend_id(&mut self, old: &HashMap<ServerKey, u32>) -> Result<u32> {
+        if self.next_backend < MAX_BACKENDS {
+            self.next_backend += 1;
+            return Ok(self.next_backend - 1);
+        }
+        // Reuse the lowest id that is neither configured nor in quarantine.
+        let taken: Vec<u32> = self
+            .backends
+            .values()
+            .chain(old.values())
+            .copied()
+            .chain(self.quarantine.iter().map(|(id, _)| *id))
+            .collect();
+        match (1..MAX_BACKENDS).find(|id| !taken.contains(id)) {
+            Some(id) => Ok(id),
+            None => bail!(
+                "all {} backend ids are in use or in quarantine",
+                MAX_BACKENDS - 1
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn config(servers: &[(&str, u32)]) -> Config {
+        let mut text = String::from(
+            "[agent]\ninterfaces=[\"eth0\"]\n[[pool]]\nname=\"p\"\nvip=\"192.0.2.60\"\nport=8000\n",
+        );
+        for (addr, weight) in servers {
+            text += &format!(
+                "[[pool.server]]\naddress=\"{addr}\"\nport=8000\nmetrics_port=8001\nweight={weight}\n"
+            );
+        }
+        Config::parse(Path::new("t.toml"), &text).unwrap()
+    }
+
+    fn id_of(plan: &Plan, last_octet: u8) -> u32 {
+        plan.backends
+            .iter()
+            .find(|(_, b)| b.addr[0].to_ne_bytes()[3] == last_octet)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn ids_are_stable_across_reloads_and_never_zero() {
+        let mut ids = Ids::default();
+        let now = Instant::now();
+        let a = ids
+            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .unwrap();
+        let b = ids
+            .plan(
+                &config(&[("10.4.0.12", 50), ("10.4.0.13", 100), ("10.4.0.11", 0)]),
+                now,
+            )
+            .unwrap();
+        assert_eq!(id_of(&a, 11), id_of(&b, 11));
+        assert_eq!(id_of(&a, 12), id_of(&b, 12));
+        assert!(b.backends.iter().all(|(id, _)| *id != 0));
+        assert_eq!(b.vips[0].vip_id, a.vips[0].vip_id);
+        assert_eq!(b.vips[0].live_backends, 2);
+        assert!(
+            !b.vips[0].table.contains(&id_of(&b, 11)),
+            "weight 0 owns no slot"
+        );
+        assert!(!b.vips[0].table.contains(&0));
+    }
+
+    #[test]
+    fn removed_servers_are_retired_and_their_ids_quarantined() {
+        let mut ids = Ids::default();
+        let now = Instant::now();
+        let a = ids
+            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .unwrap();
+        let gone = id_of(&a, 12);
+        let b = ids.plan(&config(&[("10.4.0.11", 100)]), now).unwrap();
+        assert_eq!(b.retired, vec![gone]);
+        assert!(!b.vips[0].table.contains(&gone));
+        // Coming back later gets a fresh id: flows of the old one may still be counted.
+        let c = ids
+            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .unwrap();
+        assert_ne!(id_of(&c, 12), gone);
+        assert!(c.retired.is_empty());
+    }
+
+    #[test]
+    fn exhausted_ids_reuse_only_after_quarantine() {
+        let mut ids = Ids {
+            next_backend: MAX_BACKENDS,
+            ..Ids::default()
+        };
+        let now = Instant::now();
+        // All ids but 5 are taken by quarantine.
+        ids.quarantine = (1..MAX_BACKENDS)
+            .filter(|id| *id != 5)
+            .map(|id| (id, now + Duration::from_secs(60)))
+            .collect();
+        let a = ids.plan(&config(&[("10.4.0.11", 100)]), now).unwrap();
+        assert_eq!(id_of(&a, 11), 5);
+        assert!(ids
+            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]), now)
+            .is_err());
+        let later = now + Duration::from_secs(61);
+        assert!(ids
+            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]), later)
+            .is_ok());
+    }
+}

@@ -1,0 +1,282 @@
+//! Types that cross the kernel/user boundary, map sizes, and the pure logic that the XDP
+//! program and the agent must compute identically.
+//!
+//! Every map value is `#[repr(C)]` with explicit padding so that its layout is the same on
+//! both sides and no uninitialised byte reaches the kernel. Addresses are kept exactly as they
+//! appear on the wire (network byte order) in four 32-bit words; IPv4 uses word 0 and leaves
+//! the rest zero, so one key type serves both families.
+#![no_std]
+
+pub mod csum;
+pub mod hash;
+
+/// Address families as stored in keys (not the kernel's AF_* numbers: a byte is enough).
+pub const FAMILY_V4: u8 = 4;
+pub const FAMILY_V6: u8 = 6;
+pub const IPPROTO_TCP: u8 = 6;
+
+/// Maximum number of VIPs (pools).
+pub const MAX_VIPS: u32 = 64;
+/// Backend ids are indices into the backends array; id 0 is reserved and never routed.
+pub const MAX_BACKENDS: u32 = 4096;
+/// Slots per Maglev table: prime, and at least 100 slots per backend for pools of up to 163
+/// servers (Cilium's default size).
+pub const MAGLEV_SIZE: u32 = 16381;
+/// Each VIP owns two tables; the agent fills the idle one and then flips
+/// [`VipInfo::table`], so a new flow never sees a half-written table.
+pub const MAGLEV_TABLES: u32 = MAX_VIPS * 2;
+/// Default number of flow-table entries (each connection takes two: forward and reverse).
+pub const DEFAULT_FLOW_ENTRIES: u32 = 1 << 18;
+/// Default idle timeout of a flow.
+pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 600;
+
+/// An address as keys store it: network-order bytes in four words, IPv4 in word 0.
+pub fn addr_words(ip: core::net::IpAddr) -> ([u32; 4], u8) {
+    let mut w = [0u32; 4];
+    match ip {
+        core::net::IpAddr::V4(a) => {
+            w[0] = u32::from_ne_bytes(a.octets());
+            (w, FAMILY_V4)
+        }
+        core::net::IpAddr::V6(a) => {
+            let o = a.octets();
+            for (i, word) in w.iter_mut().enumerate() {
+                *word = u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]);
+            }
+            (w, FAMILY_V6)
+        }
+    }
+}
+
+/// A VIP as the program looks it up: destination address, port and protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct VipKey {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+}
+
+/// Per-VIP configuration written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct VipInfo {
+    /// Index of the VIP, used for per-VIP state.
+    pub vip_id: u32,
+    /// Active Maglev table, in `0..MAGLEV_TABLES`; slot `s` lives at `table * MAGLEV_SIZE + s`.
+    pub table: u32,
+    pub idle_timeout_s: u32,
+    /// Number of backends with weight > 0; zero means every new flow is dropped.
+    pub live_backends: u32,
+}
+
+/// A backend server, indexed by its id in the backends array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Backend {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub family: u8,
+    /// `BACKEND_F_*` bits.
+    pub flags: u8,
+}
+
+/// The slot holds a configured backend. Entries of removed servers keep this bit until no
+/// flow can refer to them any more, so that established flows keep their backend.
+pub const BACKEND_F_PRESENT: u8 = 1;
+
+/// A flow as seen on the wire: the key of both the forward entry (client -> VIP) and the
+/// reverse entry (backend -> client).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FlowKey {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    /// Network byte order.
+    pub sport: u16,
+    /// Network byte order.
+    pub dport: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// Flow-table value. Forward entries rewrite the destination to `nat_addr:nat_port`
+/// (the backend); reverse entries rewrite the source to it (the VIP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FlowEntry {
+    pub nat_addr: [u32; 4],
+    /// Network byte order.
+    pub nat_port: u16,
+    /// 1 for a reverse (backend -> client) entry.
+    pub reverse: u8,
+    /// Set once a FIN or RST was seen, so the close is counted once and a later SYN on the
+    /// same tuple starts a new flow. Written as a whole byte so concurrent writers of
+    /// `acked` cannot clobber it.
+    pub closed: u8,
+    pub backend_id: u32,
+    /// Set once the client sent more than a SYN: until then nothing reached the backend's
+    /// application and the flow may safely be steered again.
+    pub acked: u8,
+    pub _pad: [u8; 3],
+    pub idle_timeout_s: u32,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, refreshed at most once per
+    /// second to keep the shared cache line quiet.
+    pub last_seen_ns: u64,
+    pub created_ns: u64,
+}
+
+/// Per-backend counters, per CPU; the agent sums them across CPUs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BackendStats {
+    pub flows_opened: u64,
+    pub flows_closed: u64,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Why the program returned what it returned; one per-CPU counter each.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Every packet the program saw.
+    Packets = 0,
+    PassNotIp,
+    PassNotTcp,
+    /// Shorter than the headers it announces.
+    PassTruncated,
+    /// Header fields that make no sense (IHL < 5, data offset < 5, lengths that disagree).
+    PassMalformed,
+    PassIpOptions,
+    PassFragment,
+    PassIpv6ExtHeader,
+    /// TCP that is neither for a VIP nor the reply of a flow of ours.
+    PassNotOurs,
+    /// TTL or hop limit would reach zero: the stack sends the ICMP error.
+    PassTtlExceeded,
+    /// The VIP has no backend with weight > 0.
+    DropNoBackend,
+    /// The Maglev slot named a backend that is not present (a table/backends race).
+    DropBadBackend,
+    FlowNewSyn,
+    /// A non-SYN packet without an entry (entry evicted, or another gateway's flow).
+    FlowNewMidstream,
+    /// An entry past its idle timeout was replaced.
+    FlowExpired,
+    /// A SYN reused the tuple of a closed flow.
+    FlowReopened,
+    /// The flow table refused an insert; the packet is still forwarded.
+    FlowInsertFailed,
+    Forward,
+    Return,
+    Tx,
+    Redirect,
+    /// Rewritten, then passed to the stack because the next hop's MAC is not known yet.
+    PassNoNeigh,
+    /// Rewritten, then passed to the stack because the FIB gave no forwarding answer.
+    PassFibOther,
+    /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
+    /// device, which XDP cannot transmit on, so the stack forwards it.
+    PassVlan,
+}
+
+impl Counter {
+    pub const COUNT: u32 = Counter::PassVlan as u32 + 1;
+
+    pub const ALL: [Counter; Counter::COUNT as usize] = [
+        Counter::Packets,
+        Counter::PassNotIp,
+        Counter::PassNotTcp,
+        Counter::PassTruncated,
+        Counter::PassMalformed,
+        Counter::PassIpOptions,
+        Counter::PassFragment,
+        Counter::PassIpv6ExtHeader,
+        Counter::PassNotOurs,
+        Counter::PassTtlExceeded,
+        Counter::DropNoBackend,
+        Counter::DropBadBackend,
+        Counter::FlowNewSyn,
+        Counter::FlowNewMidstream,
+        Counter::FlowExpired,
+        Counter::FlowReopened,
+        Counter::FlowInsertFailed,
+        Counter::Forward,
+        Counter::Return,
+        Counter::Tx,
+        Counter::Redirect,
+        Counter::PassNoNeigh,
+        Counter::PassFibOther,
+        Counter::PassVlan,
+    ];
+
+    /// Stable snake_case name, used in the agent's metrics and CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::Packets => "packets",
+            Counter::PassNotIp => "pass_not_ip",
+            Counter::PassNotTcp => "pass_not_tcp",
+            Counter::PassTruncated => "pass_truncated",
+            Counter::PassMalformed => "pass_malformed",
+            Counter::PassIpOptions => "pass_ip_options",
+            Counter::PassFragment => "pass_fragment",
+            Counter::PassIpv6ExtHeader => "pass_ipv6_ext_header",
+            Counter::PassNotOurs => "pass_not_ours",
+            Counter::PassTtlExceeded => "pass_ttl_exceeded",
+            Counter::DropNoBackend => "drop_no_backend",
+            Counter::DropBadBackend => "drop_bad_backend",
+            Counter::FlowNewSyn => "flow_new_syn",
+            Counter::FlowNewMidstream => "flow_new_midstream",
+            Counter::FlowExpired => "flow_expired",
+            Counter::FlowReopened => "flow_reopened",
+            Counter::FlowInsertFailed => "flow_insert_failed",
+            Counter::Forward => "forward",
+            Counter::Return => "return",
+            Counter::Tx => "xdp_tx",
+            Counter::Redirect => "xdp_redirect",
+            Counter::PassNoNeigh => "pass_no_neigh",
+            Counter::PassFibOther => "pass_fib_other",
+            Counter::PassVlan => "pass_vlan",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are repr(C), made only of integers, with explicit padding fields,
+    // so every bit pattern is valid and no byte is uninitialised.
+    unsafe impl aya::Pod for super::VipKey {}
+    unsafe impl aya::Pod for super::VipInfo {}
+    unsafe impl aya::Pod for super::Backend {}
+    unsafe impl aya::Pod for super::FlowKey {}
+    unsafe impl aya::Pod for super::FlowEntry {}
+    unsafe impl aya::Pod for super::BackendStats {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_have_no_implicit_padding() {
+        assert_eq!(size_of::<VipKey>(), 20);
+        assert_eq!(size_of::<VipInfo>(), 16);
+        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<FlowKey>(), 40);
+        assert_eq!(size_of::<FlowEntry>(), 48);
+        assert_eq!(size_of::<BackendStats>(), 32);
+    }
+
+    #[test]
+    fn counters_are_listed_once_in_order() {
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i);
+        }
+    }
+}

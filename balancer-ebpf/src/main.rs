@@ -1,0 +1,246 @@
+//! The XDP data path: parse, VIP lookup, flow-table lookup, Maglev selection on a miss,
+//! NAT rewrite, next hop by FIB lookup, forward. Anything that is not plainly ours passes
+//! to the stack untouched.
+#![cfg_attr(target_arch = "bpf", no_std)]
+#![cfg_attr(target_arch = "bpf", no_main)]
+
+mod maps;
+mod nat;
+mod parse;
+
+use aya_ebpf::{
+    bindings::xdp_action::{XDP_DROP, XDP_PASS},
+    helpers::bpf_ktime_get_ns,
+    macros::xdp,
+    programs::XdpContext,
+};
+use balancer_common::{
+    hash::flow_hash, Backend, Counter, FlowEntry, FlowKey, VipInfo, VipKey, BACKEND_F_PRESENT,
+    IPPROTO_TCP, MAGLEV_SIZE,
+};
+
+use maps::{count, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, VIPS};
+use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+
+const NS_PER_S: u64 = 1_000_000_000;
+
+#[xdp]
+pub fn balancer(ctx: XdpContext) -> u32 {
+    count(Counter::Packets);
+    match parse::parse(&ctx) {
+        Ok(pkt) => route(&ctx, &pkt),
+        Err(reason) => {
+            count(reason);
+            XDP_PASS
+        }
+    }
+}
+
+#[inline(always)]
+fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
+    let vip_key = VipKey {
+        addr: pkt.key.dst,
+        port: pkt.key.dport,
+        proto: IPPROTO_TCP,
+        family: pkt.key.family,
+    };
+    if let Some(vip) = VIPS.get_ptr(&vip_key) {
+        // SAFETY: a pointer from a successful lookup is valid for this program run.
+        let vip = unsafe { *vip };
+        return forward(ctx, pkt, &vip);
+    }
+    if let Some(rev) = FLOWS.get_ptr_mut(&pkt.key) {
+        // SAFETY: as above; concurrent writers only store whole fields.
+        let rev = unsafe { &mut *rev };
+        if rev.reverse != 0 {
+            return reply(ctx, pkt, rev);
+        }
+    }
+    count(Counter::PassNotOurs);
+    XDP_PASS
+}
+
+/// Client -> VIP: follow the flow's entry, or pick a backend for a new flow.
+#[inline(always)]
+fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
+    if pkt.ttl <= 1 {
+        count(Counter::PassTtlExceeded);
+        return XDP_PASS;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let syn = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+
+    let mut target = None;
+    if let Some(entry) = FLOWS.get_ptr_mut(&pkt.key) {
+        // SAFETY: valid for this run; fields are written whole.
+        let entry = unsafe { &mut *entry };
+        let idle_ns = u64::from(entry.idle_timeout_s) * NS_PER_S;
+        if now.wrapping_sub(entry.last_seen_ns) > idle_ns {
+            count(Counter::FlowExpired);
+        } else if syn && entry.closed != 0 {
+            count(Counter::FlowReopened);
+        } else if entry.reverse == 0 {
+            if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
+                entry.last_seen_ns = now;
+            }
+            if entry.acked == 0 && !syn {
+                entry.acked = 1;
+            }
+            if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
+                entry.closed = 1;
+                note_closed(entry.backend_id);
+            }
+            target = Some((entry.backend_id, entry.nat_addr, entry.nat_port));
+        }
+    }
+    let (backend_id, addr, port) = match target {
+        Some(t) => t,
+        None => match new_flow(pkt, vip, syn, now) {
+            Ok(t) => t,
+            Err(reason) => {
+                count(reason);
+                return XDP_DROP;
+            }
+        },
+    };
+    if let Some(stats) = BACKEND_STATS.get_ptr_mut(backend_id) {
+        // SAFETY: per-CPU value, no other writer.
+        unsafe {
+            (*stats).packets += 1;
+            (*stats).bytes += u64::from(pkt.len);
+        }
+    }
+    count(Counter::Forward);
+    if nat::rewrite_dst(ctx, pkt, &addr, port).is_err() {
+        // The bounds were checked by the parser; this cannot happen, but the verifier needs
+        // the check and a packet we cannot rewrite must not be forwarded half-done.
+        count(Counter::PassMalformed);
+        return XDP_PASS;
+    }
+    nat::send(ctx, pkt, &pkt.key.src, &addr, (pkt.key.sport, port))
+}
+
+/// Picks a backend through the VIP's active Maglev table and records both directions.
+#[inline(always)]
+fn new_flow(
+    pkt: &Packet,
+    vip: &VipInfo,
+    syn: bool,
+    now: u64,
+) -> Result<(u32, [u32; 4], u16), Counter> {
+    if vip.live_backends == 0 {
+        return Err(Counter::DropNoBackend);
+    }
+    let slot = vip.table * MAGLEV_SIZE + flow_hash(&pkt.key) % MAGLEV_SIZE;
+    let id = match MAGLEV.get(slot) {
+        Some(&id) if id != 0 => id,
+        _ => return Err(Counter::DropNoBackend),
+    };
+    let backend: Backend = match BACKENDS.get(id) {
+        Some(b) if b.flags & BACKEND_F_PRESENT != 0 => *b,
+        _ => return Err(Counter::DropBadBackend),
+    };
+    let fwd = FlowEntry {
+        nat_addr: backend.addr,
+        nat_port: backend.port,
+        reverse: 0,
+        closed: 0,
+        backend_id: id,
+        acked: u8::from(!syn),
+        _pad: [0; 3],
+        idle_timeout_s: vip.idle_timeout_s,
+        last_seen_ns: now,
+        created_ns: now,
+    };
+    let rev_key = FlowKey {
+        src: backend.addr,
+        dst: pkt.key.src,
+        sport: backend.port,
+        dport: pkt.key.sport,
+        proto: pkt.key.proto,
+        family: pkt.key.family,
+        _pad: [0; 2],
+    };
+    let rev = FlowEntry {
+        nat_addr: pkt.key.dst,
+        nat_port: pkt.key.dport,
+        reverse: 1,
+        ..fwd
+    };
+    if FLOWS.insert(&pkt.key, &fwd, 0).is_err() || FLOWS.insert(&rev_key, &rev, 0).is_err() {
+        count(Counter::FlowInsertFailed);
+    }
+    count(if syn {
+        Counter::FlowNewSyn
+    } else {
+        Counter::FlowNewMidstream
+    });
+    if let Some(stats) = BACKEND_STATS.get_ptr_mut(id) {
+        // SAFETY: per-CPU value, no other writer.
+        unsafe { (*stats).flows_opened += 1 };
+    }
+    Ok((id, backend.addr, backend.port))
+}
+
+/// Backend -> client: make the reply come from the VIP.
+#[inline(always)]
+fn reply(ctx: &XdpContext, pkt: &Packet, rev: &mut FlowEntry) -> u32 {
+    if pkt.ttl <= 1 {
+        count(Counter::PassTtlExceeded);
+        return XDP_PASS;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    if now.wrapping_sub(rev.last_seen_ns) > NS_PER_S {
+        rev.last_seen_ns = now;
+    }
+    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        // The close is counted once per flow, on the forward entry.
+        let fwd_key = FlowKey {
+            src: pkt.key.dst,
+            dst: rev.nat_addr,
+            sport: pkt.key.dport,
+            dport: rev.nat_port,
+            proto: pkt.key.proto,
+            family: pkt.key.family,
+            _pad: [0; 2],
+        };
+        if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
+            // SAFETY: valid for this run; fields are written whole.
+            let fwd = unsafe { &mut *fwd };
+            if fwd.closed == 0 {
+                fwd.closed = 1;
+                note_closed(fwd.backend_id);
+            }
+        }
+    }
+    count(Counter::Return);
+    let (addr, port) = (rev.nat_addr, rev.nat_port);
+    if nat::rewrite_src(ctx, pkt, &addr, port).is_err() {
+        count(Counter::PassMalformed);
+        return XDP_PASS;
+    }
+    nat::send(ctx, pkt, &addr, &pkt.key.dst, (port, pkt.key.dport))
+}
+
+#[inline(always)]
+fn note_closed(backend_id: u32) {
+    if let Some(stats) = BACKEND_STATS.get_ptr_mut(backend_id) {
+        // SAFETY: per-CPU value, no other writer.
+        unsafe { (*stats).flows_closed += 1 };
+    }
+}
+
+#[cfg(target_arch = "bpf")]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+// bpf_fib_lookup is GPL-only.
+#[cfg(target_arch = "bpf")]
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+#[cfg(not(target_arch = "bpf"))]
+fn main() {}

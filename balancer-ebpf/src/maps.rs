@@ -1,0 +1,52 @@
+//! Every map of the program, one commented declaration each. The agent owns their contents;
+//! the program only writes the flow table and the counters.
+
+use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use balancer_common::{
+    Backend, BackendStats, Counter, FlowEntry, FlowKey, VipInfo, VipKey, DEFAULT_FLOW_ENTRIES,
+    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+};
+
+/// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
+#[map]
+pub static VIPS: HashMap<VipKey, VipInfo> = HashMap::with_max_entries(MAX_VIPS, 0);
+
+/// Backend id -> address and port. Id 0 is reserved and never routed.
+#[map]
+pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Maglev tables: `MAGLEV_TABLES` tables of `MAGLEV_SIZE` backend ids, two per VIP so the
+/// agent can fill one while the other serves, then flip `VipInfo::table`. Mappable, so the
+/// agent writes a table with memory stores rather than one syscall per slot.
+#[map]
+pub static MAGLEV: Array<u32> =
+    Array::with_max_entries(MAGLEV_TABLES * MAGLEV_SIZE, BPF_F_MMAPABLE);
+
+/// Connection tracking, both directions: client->VIP entries name the backend, backend->client
+/// entries name the VIP. One LRU shared by all CPUs, since the two directions of a flow may
+/// be processed on different CPUs (and NICs). The agent sizes it at load time.
+#[map]
+pub static FLOWS: LruHashMap<FlowKey, FlowEntry> =
+    LruHashMap::with_max_entries(DEFAULT_FLOW_ENTRIES, 0);
+
+/// One counter per verdict and per pass or drop reason (`Counter`), per CPU.
+#[map]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+
+/// Flows opened and closed, packets and bytes, per backend id and per CPU: the agent's fresh
+/// picture of load between two scrapes of the servers' metrics.
+#[map]
+pub static BACKEND_STATS: PerCpuArray<BackendStats> =
+    PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+#[inline(always)]
+pub fn count(c: Counter) {
+    if let Some(v) = COUNTERS.get_ptr_mut(c as u32) {
+        // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
+        unsafe { *v += 1 };
+    }
+}

@@ -1,0 +1,189 @@
+//! Address translation and transmission. Checksums are updated incrementally (RFC 1624):
+//! recomputing them would mean reading the whole payload.
+
+use core::{ffi::c_void, mem::size_of};
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams,
+        xdp_action::{XDP_PASS, XDP_TX},
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+    },
+    helpers::{bpf_fib_lookup, bpf_redirect},
+    programs::XdpContext,
+};
+use balancer_common::{csum, Counter, FAMILY_V4};
+
+use crate::{maps::count, parse::Packet};
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+
+/// Offsets within the headers.
+const V4_CHECK: usize = 10;
+const V4_SRC: usize = 12;
+const V4_DST: usize = 16;
+const V4_TTL: usize = 8;
+const V6_HOP_LIMIT: usize = 7;
+const V6_SRC: usize = 8;
+const V6_DST: usize = 24;
+const TCP_SPORT: usize = 0;
+const TCP_DPORT: usize = 2;
+const TCP_CHECK: usize = 16;
+
+/// A checked pointer into the packet. The parser already checked these bounds, but the
+/// verifier tracks packet pointers per access, so each access checks again.
+#[inline(always)]
+fn at<T>(ctx: &XdpContext, off: usize) -> Result<*mut T, ()> {
+    let start = ctx.data();
+    if start + off + size_of::<T>() > ctx.data_end() {
+        return Err(());
+    }
+    Ok((start + off) as *mut T)
+}
+
+#[inline(always)]
+fn get<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, ()> {
+    // SAFETY: bounds checked by `at`; packet data has no alignment guarantee.
+    at::<T>(ctx, off).map(|p| unsafe { core::ptr::read_unaligned(p) })
+}
+
+#[inline(always)]
+fn put<T>(ctx: &XdpContext, off: usize, v: T) -> Result<(), ()> {
+    // SAFETY: as in `get`.
+    at::<T>(ctx, off).map(|p| unsafe { core::ptr::write_unaligned(p, v) })
+}
+
+/// Replaces an address (at `addr_off` in the IP header) and a port (at `port_off` in the
+/// TCP header), fixing the IPv4 header checksum and the TCP checksum.
+#[inline(always)]
+fn rewrite(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    addr_off: (usize, usize),
+    port_off: usize,
+    addr: &[u32; 4],
+    port: u16,
+) -> Result<(), ()> {
+    let check_off = pkt.l4 + TCP_CHECK;
+    let mut tcp_check: u16 = get(ctx, check_off)?;
+    if pkt.key.family == FAMILY_V4 {
+        let off = pkt.l3 + addr_off.0;
+        let old: u32 = get(ctx, off)?;
+        let ip_check: u16 = get(ctx, pkt.l3 + V4_CHECK)?;
+        put(
+            ctx,
+            pkt.l3 + V4_CHECK,
+            csum::replace4(ip_check, old, addr[0]),
+        )?;
+        tcp_check = csum::replace4(tcp_check, old, addr[0]);
+        put(ctx, off, addr[0])?;
+    } else {
+        let off = pkt.l3 + addr_off.1;
+        let old: [u32; 4] = get(ctx, off)?;
+        tcp_check = csum::replace16(tcp_check, &old, addr);
+        put(ctx, off, *addr)?;
+    }
+    let poff = pkt.l4 + port_off;
+    let old_port: u16 = get(ctx, poff)?;
+    tcp_check = csum::replace2(tcp_check, old_port, port);
+    put(ctx, poff, port)?;
+    put(ctx, check_off, tcp_check)
+}
+
+/// Client -> VIP becomes client -> backend.
+#[inline(always)]
+pub fn rewrite_dst(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -> Result<(), ()> {
+    rewrite(ctx, pkt, (V4_DST, V6_DST), TCP_DPORT, addr, port)
+}
+
+/// Backend -> client becomes VIP -> client.
+#[inline(always)]
+pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -> Result<(), ()> {
+    rewrite(ctx, pkt, (V4_SRC, V6_SRC), TCP_SPORT, addr, port)
+}
+
+/// Sends the rewritten packet towards `src -> dst`: straight out of a NIC when the FIB
+/// knows the next hop and its MAC, through the stack otherwise (which resolves the neighbour
+/// and sends the next packets our way again).
+#[inline(always)]
+pub fn send(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    src: &[u32; 4],
+    dst: &[u32; 4],
+    ports: (u16, u16),
+) -> u32 {
+    if pkt.vlan {
+        count(Counter::PassVlan);
+        return XDP_PASS;
+    }
+    // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.l4_protocol = pkt.key.proto;
+    p.sport = ports.0;
+    p.dport = ports.1;
+    p.__bindgen_anon_1.tot_len = pkt.len;
+    p.ifindex = ctx.ingress_ifindex() as u32;
+    if pkt.key.family == FAMILY_V4 {
+        p.family = AF_INET;
+        p.__bindgen_anon_2.tos = pkt.tos;
+        p.__bindgen_anon_3.ipv4_src = src[0];
+        p.__bindgen_anon_4.ipv4_dst = dst[0];
+    } else {
+        p.family = AF_INET6;
+        p.__bindgen_anon_3.ipv6_src = *src;
+        p.__bindgen_anon_4.ipv6_dst = *dst;
+    }
+    // SAFETY: `p` is a valid, fully initialised parameter block of the size we pass.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.ctx as *mut c_void,
+            &mut p,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        count(if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+            Counter::PassNoNeigh
+        } else {
+            Counter::PassFibOther
+        });
+        return XDP_PASS;
+    }
+    // We are the router now, so the TTL is ours to decrement (the stack does it for the
+    // packets we pass). The parser refused TTL <= 1.
+    if decrement_ttl(ctx, pkt).is_err()
+        || put(ctx, 0, p.dmac).is_err()
+        || put(ctx, 6, p.smac).is_err()
+    {
+        count(Counter::PassMalformed);
+        return XDP_PASS;
+    }
+    if p.ifindex == ctx.ingress_ifindex() as u32 {
+        count(Counter::Tx);
+        XDP_TX
+    } else {
+        count(Counter::Redirect);
+        // SAFETY: a plain helper call; it only records the target for the driver.
+        unsafe { bpf_redirect(p.ifindex, 0) as u32 }
+    }
+}
+
+#[inline(always)]
+fn decrement_ttl(ctx: &XdpContext, pkt: &Packet) -> Result<(), ()> {
+    if pkt.key.family == FAMILY_V4 {
+        // TTL shares a 16-bit checksum word with the protocol byte.
+        let off = pkt.l3 + V4_TTL;
+        let old: u16 = get(ctx, off)?;
+        let mut bytes = old.to_ne_bytes();
+        bytes[0] = bytes[0].wrapping_sub(1);
+        let new = u16::from_ne_bytes(bytes);
+        let check: u16 = get(ctx, pkt.l3 + V4_CHECK)?;
+        put(ctx, pkt.l3 + V4_CHECK, csum::replace2(check, old, new))?;
+        put(ctx, off, new)
+    } else {
+        put(ctx, pkt.l3 + V6_HOP_LIMIT, pkt.ttl - 1)
+    }
+}

@@ -1,0 +1,152 @@
+//! Named network namespaces that delete themselves, and the processes and threads that run
+//! inside them.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::process::{run, Process};
+
+/// Every namespace of the harness is called `blt-<pid>-<role>`, where pid is the test process
+/// that made it: that is how a later run tells a crashed run's leftovers from a live run's.
+pub const PREFIX: &str = "blt-";
+
+/// A network namespace, deleted on drop together with the processes spawned into it.
+pub struct Netns {
+    name: String,
+    processes: Vec<Process>,
+}
+
+impl Netns {
+    /// Creates `blt-<our pid>-<role>` with its loopback up.
+    pub fn create(role: &str) -> Result<Self> {
+        crate::require_root()?;
+        let name = format!("{PREFIX}{}-{role}", std::process::id());
+        run(Command::new("ip").args(["netns", "add", &name]))?;
+        let ns = Self {
+            name,
+            processes: Vec::new(),
+        };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A command that runs `program` inside the namespace.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.name]).arg(program);
+        cmd
+    }
+
+    /// Runs `program args` inside the namespace to completion; returns its stdout.
+    pub fn exec(&self, program: &str, args: &[&str]) -> Result<String> {
+        run(self.command(program).args(args))
+    }
+
+    /// Runs `ip args` against the namespace.
+    pub fn ip(&self, args: &[&str]) -> Result<String> {
+        run(Command::new("ip").args(["-n", &self.name]).args(args))
+    }
+
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        self.exec("sysctl", &["-q", "-w", &format!("{key}={value}")])
+            .map(drop)
+    }
+
+    /// Starts `cmd` (made with [`Netns::command`]) and keeps it until the namespace drops.
+    pub fn spawn(&mut self, name: &str, cmd: Command, log: &Path) -> Result<&mut Process> {
+        let process = Process::spawn(format!("{name} in {}", self.name), cmd, log)?;
+        self.processes.push(process);
+        Ok(self.processes.last_mut().expect("just pushed"))
+    }
+
+    /// Runs `f` on a thread that has joined this namespace, so that the sockets it opens live
+    /// here; a socket keeps its namespace when it is handed back to another thread.
+    pub fn enter<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        let path = format!("/run/netns/{}", self.name);
+        let ns = File::open(&path).with_context(|| format!("opening {path}"))?;
+        std::thread::scope(|scope| {
+            scope
+                .spawn(move || {
+                    // SAFETY: a valid namespace fd; CLONE_NEWNET only changes this thread's
+                    // network namespace, and the thread ends with `f`.
+                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                        return Err(std::io::Error::last_os_error())
+                            .with_context(|| format!("entering {path}"));
+                    }
+                    f()
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Processes first: a process inside would keep the namespace, and its links, alive.
+        self.processes.clear();
+        if let Err(e) = delete(&self.name) {
+            eprintln!("{e:#}");
+        }
+    }
+}
+
+/// Kills whatever still runs in the namespace, then deletes it.
+fn delete(name: &str) -> Result<()> {
+    let pids = run(Command::new("ip").args(["netns", "pids", name]))?;
+    for pid in pids.split_whitespace() {
+        let pid: libc::pid_t = pid.parse().with_context(|| format!("pid {pid:?}"))?;
+        // SAFETY: kill has no memory effects.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    run(Command::new("ip").args(["netns", "del", name]))
+        .map(drop)
+        .with_context(|| format!("deleting namespace {name}"))
+}
+
+/// The harness's namespaces that exist now, as (name, pid of the run that made it).
+fn ours() -> Result<Vec<(String, libc::pid_t)>> {
+    let list = run(Command::new("ip").args(["netns", "list"]))?;
+    Ok(list
+        .lines()
+        .filter_map(|line| {
+            let name = line.split_whitespace().next()?;
+            let pid = name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()?;
+            Some((name.to_owned(), pid))
+        })
+        .collect())
+}
+
+/// Names of the namespaces this process made that still exist.
+pub fn remaining() -> Result<Vec<String>> {
+    let me = libc::pid_t::try_from(std::process::id())?;
+    Ok(ours()?
+        .into_iter()
+        .filter(|(_, pid)| *pid == me)
+        .map(|(name, _)| name)
+        .collect())
+}
+
+/// Deletes the namespaces of test runs that are no longer alive (crashed or killed before
+/// their guards ran), and whatever still runs inside them.
+pub fn sweep_stale() -> Result<()> {
+    for (name, pid) in ours()? {
+        // SAFETY: signal 0 only checks that the pid exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+        if !alive {
+            eprintln!("deleting {name}, left by dead test run {pid}");
+            delete(&name)?;
+        }
+    }
+    Ok(())
+}

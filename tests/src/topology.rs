@@ -1,0 +1,350 @@
+//! The gateway scenario: a client, a gateway that will run the balancer, and four backends
+//! behind a switch, each in a namespace of its own.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::Path;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use tempfile::TempDir;
+
+use crate::client;
+use crate::netns::{sweep_stale, Netns};
+
+pub const VIP4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 60);
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x60);
+/// The port clients connect to on the VIPs.
+pub const VIP_PORT: u16 = 8000;
+/// The backends' HTTP port.
+pub const BACKEND_PORT: u16 = 8000;
+/// The backends' metrics port, as the agent's config names it (nothing listens there yet).
+pub const METRICS_PORT: u16 = 8001;
+pub const BACKENDS: usize = 4;
+/// The gateway's interfaces, where the balancer attaches.
+pub const GATEWAY_INTERFACES: [&str; 2] = ["g0", "g1"];
+
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+const PING_ATTEMPTS: usize = 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn vip(self) -> SocketAddr {
+        match self {
+            Family::V4 => SocketAddr::new(VIP4.into(), VIP_PORT),
+            Family::V6 => SocketAddr::new(VIP6.into(), VIP_PORT),
+        }
+    }
+
+    /// Address of backend `index` (0-based): `b1` is 10.4.0.11 and fd00:4::11.
+    pub fn backend(self, index: usize) -> IpAddr {
+        let n = u8::try_from(index + 1).expect("a handful of backends");
+        // "1N" in both: decimal in the IPv4 address, hex in the IPv6 one.
+        match self {
+            Family::V4 => Ipv4Addr::new(10, 4, 0, 10 + n).into(),
+            Family::V6 => Ipv6Addr::new(0xfd00, 4, 0, 0, 0, 0, 0, 0x10 + u16::from(n)).into(),
+        }
+    }
+}
+
+/// Name of backend `index` (0-based): its namespace role and the identity its server reports.
+pub fn backend_name(index: usize) -> String {
+    format!("b{}", index + 1)
+}
+
+/// The namespaces of the gateway scenario, with a server running in every backend:
+///
+/// ```text
+///  client              gw                                sw                    b1..b4
+/// +------------+      +------------------------------+  +------------------+  +---------------+
+/// | c0         |------| g0                        g1 |--| s0    br0    sbN |--| eth0          |
+/// | 10.9.0.2   |      | 10.9.0.1            10.4.0.1 |  |  (bridge of s0,  |  | 10.4.0.1N     |
+/// | fd00:9::2  |      | fd00:9::1          fd00:4::1 |  |   sb1..sb4)      |  | fd00:4::1N    |
+/// +------------+      +------------------------------+  +------------------+  | sse-server    |
+///  VIPs 192.0.2.60,    forwarding on, rp_filter off;                          |   :8000       |
+///  2001:db8::60        the agent attaches to g0, g1                           +---------------+
+///  routed via gw                                          backends route 10.9.0.0/24 and
+///                                                         fd00:9::/64 via the gateway
+/// ```
+///
+/// Nothing routes out of these namespaces. Every veth end has tx checksum offload off: XDP
+/// on veth would otherwise see CHECKSUM_PARTIAL packets and the balancer's incremental
+/// checksum updates would come out wrong. Dropping the topology stops its processes and
+/// deletes the namespaces, and prints the processes' logs if the thread is panicking.
+pub struct Topology {
+    client: Netns,
+    gw: Netns,
+    sw: Netns,
+    backends: Vec<Netns>,
+    logs: TempDir,
+}
+
+impl Topology {
+    /// Builds the namespaces and links, checks that the neighbours can reach each other, and
+    /// starts `sse_server` in every backend.
+    pub fn build(sse_server: &Path) -> Result<Self> {
+        crate::require_root()?;
+        sweep_stale()?;
+        let mut topology = Self {
+            client: Netns::create("client")?,
+            gw: Netns::create("gw")?,
+            sw: Netns::create("sw")?,
+            backends: (0..BACKENDS)
+                .map(|i| Netns::create(&backend_name(i)))
+                .collect::<Result<_>>()?,
+            logs: tempfile::Builder::new()
+                .prefix("balancer-tests-")
+                .tempdir()?,
+        };
+        topology.wire().context("wiring the topology")?;
+        topology
+            .check_reachability()
+            .context("checking the topology")?;
+        topology.start_backends(sse_server)?;
+        Ok(topology)
+    }
+
+    fn wire(&self) -> Result<()> {
+        let Self { client, gw, sw, .. } = self;
+        for key in ["all", "default"] {
+            gw.sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
+        }
+        gw.sysctl("net.ipv4.ip_forward", "1")?;
+        gw.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+
+        client.ip(&[
+            "link",
+            "add",
+            "c0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "g0",
+            "netns",
+            gw.name(),
+        ])?;
+        gw.ip(&[
+            "link",
+            "add",
+            "g1",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "s0",
+            "netns",
+            sw.name(),
+        ])?;
+        sw.ip(&[
+            "link",
+            "add",
+            "br0",
+            "type",
+            "bridge",
+            "mcast_snooping",
+            "0",
+        ])?;
+        sw.ip(&["link", "set", "s0", "master", "br0"])?;
+        for (i, backend) in self.backends.iter().enumerate() {
+            let port = format!("s{}", backend_name(i));
+            sw.ip(&[
+                "link",
+                "add",
+                &port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                backend.name(),
+            ])?;
+            sw.ip(&["link", "set", &port, "master", "br0"])?;
+        }
+
+        let mut veths = vec![(client, "c0"), (gw, "g0"), (gw, "g1"), (sw, "s0")];
+        let ports: Vec<String> = (0..BACKENDS)
+            .map(|i| format!("s{}", backend_name(i)))
+            .collect();
+        veths.extend(ports.iter().map(|port| (sw, port.as_str())));
+        veths.extend(self.backends.iter().map(|backend| (backend, "eth0")));
+        for (ns, dev) in veths {
+            ns.exec("ethtool", &["-K", dev, "tx", "off"])
+                .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
+            ns.ip(&["link", "set", dev, "up"])?;
+        }
+        sw.ip(&["link", "set", "br0", "up"])?;
+        for dev in GATEWAY_INTERFACES {
+            gw.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
+        }
+
+        add_addresses(client, "c0", "10.9.0.2/24", "fd00:9::2/64")?;
+        add_addresses(gw, "g0", "10.9.0.1/24", "fd00:9::1/64")?;
+        add_addresses(gw, "g1", "10.4.0.1/24", "fd00:4::1/64")?;
+        client.ip(&["route", "add", &format!("{VIP4}/32"), "via", "10.9.0.1"])?;
+        client.ip(&[
+            "-6",
+            "route",
+            "add",
+            &format!("{VIP6}/128"),
+            "via",
+            "fd00:9::1",
+        ])?;
+        for (i, backend) in self.backends.iter().enumerate() {
+            add_addresses(
+                backend,
+                "eth0",
+                &format!("{}/24", Family::V4.backend(i)),
+                &format!("{}/64", Family::V6.backend(i)),
+            )?;
+            backend.ip(&["route", "add", "10.9.0.0/24", "via", "10.4.0.1"])?;
+            backend.ip(&["-6", "route", "add", "fd00:9::/64", "via", "fd00:4::1"])?;
+        }
+        Ok(())
+    }
+
+    /// Every namespace pings its side of the gateway; veth carrier and the bridge take a
+    /// moment to come up.
+    fn check_reachability(&self) -> Result<()> {
+        let mut checks = vec![(&self.client, "10.9.0.1"), (&self.client, "fd00:9::1")];
+        for backend in &self.backends {
+            checks.push((backend, "10.4.0.1"));
+            checks.push((backend, "fd00:4::1"));
+        }
+        for (ns, address) in checks {
+            ping(ns, address)?;
+        }
+        Ok(())
+    }
+
+    fn start_backends(&mut self, sse_server: &Path) -> Result<()> {
+        for (i, backend) in self.backends.iter_mut().enumerate() {
+            let name = backend_name(i);
+            let mut cmd = backend.command(sse_server);
+            for family in [Family::V4, Family::V6] {
+                cmd.arg("--listen")
+                    .arg(SocketAddr::new(family.backend(i), BACKEND_PORT).to_string());
+            }
+            cmd.args(["--name", &name]);
+            let log = self.logs.path().join(format!("{name}-sse-server.log"));
+            backend
+                .spawn("sse-server", cmd, &log)?
+                .wait_for_line(0, READY_TIMEOUT, |line| line.contains("listening on"))?;
+            for family in [Family::V4, Family::V6] {
+                let server = SocketAddr::new(family.backend(i), BACKEND_PORT);
+                let reply = backend
+                    .enter(|| retry(|| client::get(server, 0)))
+                    .with_context(|| format!("{name}'s server does not answer on {server}"))?;
+                ensure!(
+                    reply.backend == name,
+                    "{server} answered as {:?}, not {name}",
+                    reply.backend
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches a pass program to the gateway's peers (`c0` in client, `s0` in sw), without
+    /// which veth drops what the balancer sends them with XDP_TX or XDP_REDIRECT.
+    pub fn attach_xdp_pass(&mut self, xdp_pass: &Path) -> Result<()> {
+        for (ns, dev) in [(&mut self.client, "c0"), (&mut self.sw, "s0")] {
+            let mut cmd = ns.command(xdp_pass);
+            cmd.arg(dev);
+            let log = self.logs.path().join(format!("{dev}-xdp-pass.log"));
+            ns.spawn("xdp-pass", cmd, &log)?
+                .wait_for_line(0, READY_TIMEOUT, |line| line.trim() == "attached")?;
+        }
+        Ok(())
+    }
+
+    pub fn client(&self) -> &Netns {
+        &self.client
+    }
+
+    pub fn gw(&self) -> &Netns {
+        &self.gw
+    }
+
+    pub fn backend(&self, index: usize) -> &Netns {
+        &self.backends[index]
+    }
+
+    /// A directory that lives as long as the topology, for logs and configuration files.
+    pub fn dir(&self) -> &Path {
+        self.logs.path()
+    }
+
+    /// The gateway interfaces that have an XDP program attached.
+    pub fn gateway_xdp(&self) -> Result<Vec<String>> {
+        let mut attached = Vec::new();
+        for dev in GATEWAY_INTERFACES {
+            let details = self.gw.ip(&["-d", "link", "show", "dev", dev])?;
+            if details.contains("xdp") {
+                attached.push(format!("{dev}: {}", details.trim()));
+            }
+        }
+        Ok(attached)
+    }
+
+    fn print_logs(&self) {
+        let Ok(entries) = std::fs::read_dir(self.logs.path()) else {
+            return;
+        };
+        let mut paths: Vec<_> = entries.filter_map(|e| Some(e.ok()?.path())).collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| format!("<{e}>"));
+            eprintln!("===== {} =====\n{text}", path.display());
+        }
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.print_logs();
+        }
+    }
+}
+
+fn add_addresses(ns: &Netns, dev: &str, v4: &str, v6: &str) -> Result<()> {
+    ns.ip(&["addr", "add", v4, "dev", dev])?;
+    // Without nodad the address stays tentative for a while and cannot be bound or used.
+    ns.ip(&["-6", "addr", "add", v6, "dev", dev, "nodad"])?;
+    Ok(())
+}
+
+fn ping(ns: &Netns, address: &str) -> Result<()> {
+    let mut last = None;
+    for _ in 0..PING_ATTEMPTS {
+        match ns.exec("ping", &["-c", "1", "-W", "1", address]) {
+            Ok(_) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("at least one attempt")).with_context(|| {
+        format!(
+            "{} cannot reach {address} after {PING_ATTEMPTS} pings",
+            ns.name()
+        )
+    })
+}
+
+/// Retries `f` every 100 ms for up to [`READY_TIMEOUT`].
+fn retry<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        match f() {
+            Ok(value) => return Ok(value),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => sleep(Duration::from_millis(100)),
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Project automation: `cargo xtask setup | test | build`.
+
+mod cmd;
+mod setup;
+mod test;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Setup, build and test automation for the balancer workspace")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install what this machine lacks (toolchain components, bpf-linker,
+    /// Debian packages, bpffs). Idempotent; needs root.
+    Setup {
+        /// Print what would be done without doing it.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Run setup, then fmt, clippy and the workspace tests. Needs root.
+    Test {
+        /// Skip `cargo xtask setup` (for quick local iteration).
+        #[arg(long)]
+        skip_setup: bool,
+        /// Extra arguments for `cargo test`, e.g. `cargo xtask test -- e2e`.
+        #[arg(last = true)]
+        cargo_test_args: Vec<String>,
+    },
+    /// Check prerequisites, then `cargo build --workspace --release`.
+    Build,
+}
+
+fn main() -> ExitCode {
+    cmd::put_cargo_bin_on_path();
+    let result = match Cli::parse().command {
+        Command::Setup { dry_run } => setup::run(dry_run),
+        Command::Test {
+            skip_setup,
+            cargo_test_args,
+        } => test::run(skip_setup, &cargo_test_args),
+        Command::Build => build(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` keeps the whole context chain on one line, which is what
+            // CI logs get grepped for.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn build() -> Result<()> {
+    setup::check_build_prerequisites()?;
+    cmd::run(cmd::cargo().current_dir(cmd::workspace_root()).args([
+        "build",
+        "--workspace",
+        "--release",
+    ]))
+}
