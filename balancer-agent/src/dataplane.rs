@@ -22,7 +22,7 @@ use crate::{objects, plan::Plan};
 /// The Maglev array, mapped into our memory (it is created `BPF_F_MMAPABLE`), so that a
 /// table of 16381 slots is written with stores instead of 16381 syscalls.
 struct MaglevMap {
-    ptr: NonNull<u32>,
+    ptr: NonNull<u64>,
     len: usize,
     // Keeps the map alive as long as the mapping.
     _map: MapData,
@@ -34,7 +34,7 @@ impl MaglevMap {
             bail!("MAGLEV is not an array map");
         };
         let len = (MAGLEV_TABLES * MAGLEV_SIZE) as usize;
-        let bytes = len * std::mem::size_of::<u32>();
+        let bytes = len * std::mem::size_of::<u64>();
         // SAFETY: mapping a BPF array fd read-write, shared, for its exact size; checked.
         let ptr = unsafe {
             libc::mmap(
@@ -56,9 +56,9 @@ impl MaglevMap {
         })
     }
 
-    fn table(&mut self, index: u32) -> &mut [u32] {
+    fn table(&mut self, index: u32) -> &mut [u64] {
         let start = (index * MAGLEV_SIZE) as usize;
-        // SAFETY: the mapping covers `len` u32s and `index < MAGLEV_TABLES`; the program
+        // SAFETY: the mapping covers `len` u64s and `index < MAGLEV_TABLES`; the program
         // only reads it, and the agent is its only writer.
         let all = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
         &mut all[start..start + MAGLEV_SIZE as usize]
@@ -68,7 +68,7 @@ impl MaglevMap {
 impl Drop for MaglevMap {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly what `new` mapped.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len * 4) };
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len * 8) };
     }
 }
 
@@ -142,7 +142,13 @@ impl Dataplane {
         for vip in &plan.vips {
             let installed = self.installed.get(&vip.vip_id).copied();
             let active = installed.map(|(_, info)| info.table);
-            let unchanged = active.is_some_and(|t| self.maglev.table(t) == vip.table.as_slice());
+            let unchanged = active.is_some_and(|t| {
+                self.maglev
+                    .table(t)
+                    .iter()
+                    .zip(&vip.table)
+                    .all(|(slot, id)| *slot == u64::from(*id))
+            });
             let table = match active {
                 Some(t) if unchanged => t,
                 // The other table of this VIP's pair.
@@ -150,7 +156,9 @@ impl Dataplane {
                 None => vip.vip_id * 2,
             };
             if !unchanged {
-                self.maglev.table(table).copy_from_slice(&vip.table);
+                for (slot, id) in self.maglev.table(table).iter_mut().zip(&vip.table) {
+                    *slot = u64::from(*id);
+                }
             }
             let info = VipInfo {
                 vip_id: vip.vip_id,

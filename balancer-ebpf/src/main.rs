@@ -133,7 +133,7 @@ fn new_flow(
     }
     let slot = vip.table * MAGLEV_SIZE + flow_hash(&pkt.key) % MAGLEV_SIZE;
     let id = match MAGLEV.get(slot) {
-        Some(&id) if id != 0 => id,
+        Some(&id) if id != 0 => id as u32,
         _ => return Err(Counter::DropNoBackend),
     };
     let backend: Backend = match BACKENDS.get(id) {

@@ -21,9 +21,10 @@ pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Maglev tables: `MAGLEV_TABLES` tables of `MAGLEV_SIZE` backend ids, two per VIP so the
 /// agent can fill one while the other serves, then flip `VipInfo::table`. Mappable, so the
-/// agent writes a table with memory stores rather than one syscall per slot.
+/// agent writes a table with memory stores rather than one syscall per slot; slots are u64
+/// because a mappable array lays its elements out 8 bytes apart anyway.
 #[map]
-pub static MAGLEV: Array<u32> =
+pub static MAGLEV: Array<u64> =
     Array::with_max_entries(MAGLEV_TABLES * MAGLEV_SIZE, BPF_F_MMAPABLE);
 
 /// Connection tracking, both directions: client->VIP entries name the backend, backend->client

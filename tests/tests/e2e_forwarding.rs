@@ -1,1 +1,194 @@
-//! placeholder
+//! Issue 2, item 3: new connections through a VIP spread over four backends by weight; a
+//! backend whose weight is set to 0 gets no new connection while a stream already on it runs
+//! to its end; the same for an IPv6 VIP; and nothing remains afterwards, also when a test
+//! fails.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig};
+use balancer_tests::client::{self, SseStream};
+use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
+use balancer_tests::{check_nothing_remains, serial};
+
+const SSE_SERVER: &str = env!("CARGO_BIN_EXE_sse-server");
+const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
+
+/// Shares 20/20/40/20 %.
+const WEIGHTS: [u32; BACKENDS] = [100, 100, 200, 100];
+/// Allowed deviation of a backend's count from its weight share, relative to the share.
+const TOLERANCE: f64 = 0.10;
+/// The backend whose weight goes to 0: b2.
+const DRAINED: usize = 1;
+/// Source ports, fixed so that a run is reproducible (the balancer hashes the 5-tuple), and
+/// above 16384-32767, which carries affinity hints.
+const SPREAD_PORTS: Range<u16> = 40000..42000;
+const STREAM_PORTS: Range<u16> = 42000..42064;
+const AFTER_RELOAD_PORTS: Range<u16> = 43000..43400;
+const STREAM_EVENTS: u32 = 30;
+const STREAM_INTERVAL_MS: u64 = 1000;
+
+#[test]
+fn ipv4_vip() {
+    forwarding(Family::V4);
+}
+
+#[test]
+fn ipv6_vip() {
+    forwarding(Family::V6);
+}
+
+#[test]
+fn panic_with_the_agent_running_leaves_nothing_behind() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let topology = topology();
+        let config = AgentConfig::gateway(&topology, WEIGHTS);
+        let _agent = Agent::start(&topology, &agent, &config).unwrap();
+        panic!("deliberate panic with the agent running");
+    }));
+    let payload = result.expect_err("the closure panics");
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"deliberate panic with the agent running"),
+        "the setup itself failed"
+    );
+    check_nothing_remains().unwrap();
+}
+
+fn topology() -> Topology {
+    let mut topology = Topology::build(Path::new(SSE_SERVER)).unwrap();
+    topology.attach_xdp_pass(Path::new(XDP_PASS)).unwrap();
+    topology
+}
+
+fn forwarding(family: Family) {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let topology = topology();
+    // Panicking with the topology alive makes it print every process's log.
+    if let Err(e) = scenario(&topology, &agent, family) {
+        panic!("{family:?}: {e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+fn scenario(topology: &Topology, agent: &Path, family: Family) -> Result<()> {
+    let vip = family.vip();
+    let mut config = AgentConfig::gateway(topology, WEIGHTS);
+    let mut agent = Agent::start(topology, agent, &config)?;
+
+    let counts = topology
+        .client()
+        .enter(|| client::count_backends(vip, SPREAD_PORTS))?;
+    println!(
+        "{family:?}: {} connections, weights {WEIGHTS:?}: {counts:?}",
+        SPREAD_PORTS.len()
+    );
+    check_shares(&counts)?;
+
+    let drained = backend_name(DRAINED);
+    let stream = topology.client().enter(|| open_stream_on(vip, &drained))?;
+    // Scoped, so that the reader is joined on every path out of here, errors included.
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| stream.finish());
+
+        config.set_weight(DRAINED, 0);
+        agent.reload(&config)?;
+        let reloaded = Instant::now();
+        let counts = topology
+            .client()
+            .enter(|| client::count_backends(vip, AFTER_RELOAD_PORTS))?;
+        println!(
+            "{family:?}: {} connections after {drained}'s weight went to 0: {counts:?}",
+            AFTER_RELOAD_PORTS.len()
+        );
+        ensure!(
+            !counts.contains_key(&drained),
+            "{drained} took new connections after its weight went to 0: {counts:?}"
+        );
+
+        let log = reader
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            .context("the stream on the drained backend")?;
+        let seqs = log.seqs();
+        println!(
+            "{family:?}: stream on {drained} received {seqs:?}, done: {}",
+            log.done
+        );
+        ensure!(
+            seqs == (0..STREAM_EVENTS).collect::<Vec<_>>() && log.done,
+            "the stream on {drained} did not run to its end: {seqs:?}, [DONE]: {}",
+            log.done
+        );
+        ensure!(
+            log.events.iter().all(|e| e.backend == drained),
+            "the stream moved: {:?}",
+            log.events
+        );
+        ensure!(
+            log.events.last().is_some_and(|e| e.at > reloaded),
+            "the stream ended before the reload, so it proves nothing"
+        );
+        Ok(())
+    })?;
+
+    agent.stop()?;
+    let attached = topology.gateway_xdp()?;
+    ensure!(
+        attached.is_empty(),
+        "XDP programs remain after the agent stopped: {attached:?}"
+    );
+    Ok(())
+}
+
+/// Opens streams from successive ports until one lands on `backend`; closes the others.
+fn open_stream_on(vip: SocketAddr, backend: &str) -> Result<SseStream> {
+    for port in STREAM_PORTS {
+        let mut stream = SseStream::open(vip, port, STREAM_EVENTS, STREAM_INTERVAL_MS)
+            .with_context(|| format!("opening a stream from port {port}"))?;
+        let first = stream
+            .next_event()?
+            .with_context(|| format!("the stream from port {port} ended before its first event"))?;
+        if first.backend == backend {
+            return Ok(stream);
+        }
+    }
+    bail!("no stream from ports {STREAM_PORTS:?} landed on {backend}")
+}
+
+fn check_shares(counts: &BTreeMap<String, usize>) -> Result<()> {
+    let total: usize = counts.values().sum();
+    let weight_sum: u32 = WEIGHTS.iter().sum();
+    let names: Vec<String> = (0..BACKENDS).map(backend_name).collect();
+    ensure!(
+        counts.keys().all(|name| names.contains(name)),
+        "answers from unknown backends: {counts:?}"
+    );
+    let mut off = Vec::new();
+    for (name, weight) in names.iter().zip(WEIGHTS) {
+        let got = counts.get(name).copied().unwrap_or(0);
+        let expected = total as f64 * f64::from(weight) / f64::from(weight_sum);
+        if (got as f64 - expected).abs() > TOLERANCE * expected {
+            off.push(format!(
+                "{name}: {got}, expected {expected:.0} ± {:.0}",
+                TOLERANCE * expected
+            ));
+        }
+    }
+    ensure!(
+        off.is_empty(),
+        "shares off by more than {:.0}%: {}",
+        TOLERANCE * 100.0,
+        off.join("; ")
+    );
+    Ok(())
+}
