@@ -121,8 +121,20 @@ impl Config {
             problem,
         };
         let config: Config = toml::from_str(text).map_err(|e| {
-            // toml names the key in its message; keep it on one line.
-            err(String::new(), e.to_string().trim().replace('\n', " "))
+            // toml points at the offending text; name the key and line from it, on one line.
+            let (key, line) = match e.span() {
+                Some(span) => {
+                    let line_no = text[..span.start].matches('\n').count() + 1;
+                    let line = text.lines().nth(line_no - 1).unwrap_or("");
+                    let key = line.split_once('=').map_or(line, |(k, _)| k).trim();
+                    (key.to_owned(), format!(" (line {line_no})"))
+                }
+                None => (String::new(), String::new()),
+            };
+            err(
+                key,
+                format!("{}{line}", e.message().trim().replace('\n', "; ")),
+            )
         })?;
         config
             .validate()
@@ -236,8 +248,10 @@ impl Config {
 }
 
 fn is_routable(a: IpAddr) -> bool {
-    !(a.is_unspecified() || a.is_loopback() || a.is_multicast())
-        && !matches!(a, IpAddr::V4(v4) if v4.is_broadcast())
+    !(a.is_unspecified()
+        || a.is_loopback()
+        || a.is_multicast()
+        || matches!(a, IpAddr::V4(v4) if v4.is_broadcast()))
 }
 
 #[cfg(test)]

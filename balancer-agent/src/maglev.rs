@@ -48,7 +48,10 @@ fn fnv1a64(seed: u64, bytes: &[u8]) -> u64 {
 /// Whether `n` is prime; callers check a configured table size with this
 /// before calling [`build_table`].
 pub fn is_prime(n: u32) -> bool {
-    n >= 2 && (2..).take_while(|d| d <= &(n / d)).all(|d| n % d != 0)
+    n >= 2
+        && (2..)
+            .take_while(|d| d <= &(n / d))
+            .all(|d| !n.is_multiple_of(d))
 }
 
 /// Builds a table of `size` slots (size must be prime, e.g. 16381) naming backend ids.

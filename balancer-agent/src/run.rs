@@ -10,6 +10,10 @@ use tracing::{error, info, warn};
 use crate::{config::Config, dataplane::Dataplane, plan::Ids};
 
 pub async fn run(config_path: &Path) -> Result<()> {
+    // Before anything else: a SIGHUP that arrives early must reload, not kill us.
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut config = Config::load(config_path)?;
     let mut dp = Dataplane::load(config.agent.flow_table_entries)?;
     let mut ids = Ids::default();
@@ -26,9 +30,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
         "ready"
     );
 
-    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     loop {
         tokio::select! {
             _ = hup.recv() => match reload(config_path, &config, &mut ids, &mut dp) {
@@ -52,7 +53,7 @@ fn reload(path: &Path, old: &Config, ids: &mut Ids, dp: &mut Dataplane) -> Resul
     let new = Config::load(path)?;
     for name in &new.agent.interfaces {
         // Checked before anything is applied, so that a typo changes nothing.
-        nix_if_exists(name)?;
+        require_interface(name)?;
     }
     if new.agent.flow_table_entries != old.agent.flow_table_entries {
         warn!("agent.flow_table_entries changes only when the agent restarts");
@@ -63,7 +64,7 @@ fn reload(path: &Path, old: &Config, ids: &mut Ids, dp: &mut Dataplane) -> Resul
     Ok(new)
 }
 
-fn nix_if_exists(name: &str) -> Result<()> {
+fn require_interface(name: &str) -> Result<()> {
     let c = std::ffi::CString::new(name).context("interface name")?;
     // SAFETY: a NUL-terminated string that outlives the call.
     if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {

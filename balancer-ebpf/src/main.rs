@@ -44,12 +44,12 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
         proto: IPPROTO_TCP,
         family: pkt.key.family,
     };
-    if let Some(vip) = VIPS.get_ptr(&vip_key) {
+    if let Some(vip) = VIPS.get_ptr(vip_key) {
         // SAFETY: a pointer from a successful lookup is valid for this program run.
         let vip = unsafe { *vip };
         return forward(ctx, pkt, &vip);
     }
-    if let Some(rev) = FLOWS.get_ptr_mut(&pkt.key) {
+    if let Some(rev) = FLOWS.get_ptr_mut(pkt.key) {
         // SAFETY: as above; concurrent writers only store whole fields.
         let rev = unsafe { &mut *rev };
         if rev.reverse != 0 {
@@ -71,7 +71,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     let syn = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
 
     let mut target = None;
-    if let Some(entry) = FLOWS.get_ptr_mut(&pkt.key) {
+    if let Some(entry) = FLOWS.get_ptr_mut(pkt.key) {
         // SAFETY: valid for this run; fields are written whole.
         let entry = unsafe { &mut *entry };
         let idle_ns = u64::from(entry.idle_timeout_s) * NS_PER_S;
@@ -167,7 +167,7 @@ fn new_flow(
         reverse: 1,
         ..fwd
     };
-    if FLOWS.insert(&pkt.key, &fwd, 0).is_err() || FLOWS.insert(&rev_key, &rev, 0).is_err() {
+    if FLOWS.insert(pkt.key, fwd, 0).is_err() || FLOWS.insert(rev_key, rev, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
     count(if syn {
@@ -204,7 +204,7 @@ fn reply(ctx: &XdpContext, pkt: &Packet, rev: &mut FlowEntry) -> u32 {
             family: pkt.key.family,
             _pad: [0; 2],
         };
-        if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
+        if let Some(fwd) = FLOWS.get_ptr_mut(fwd_key) {
             // SAFETY: valid for this run; fields are written whole.
             let fwd = unsafe { &mut *fwd };
             if fwd.closed == 0 {

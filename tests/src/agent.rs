@@ -151,7 +151,9 @@ impl<'t> Agent<'t> {
 
 /// The `balancer-agent` executable, built once per test process. It belongs to another
 /// package, so Cargo does not hand its path to our tests as it does for our own binaries.
+/// Fails first thing when not root, since only root can run the agent.
 pub fn agent_binary() -> Result<PathBuf> {
+    crate::require_root()?;
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BINARY
         .get_or_init(|| build_agent().map_err(|e| format!("{e:#}")))

@@ -51,7 +51,7 @@ impl Netns {
         run(self.command(program).args(args))
     }
 
-    /// Runs `ip args` against the namespace.
+    /// Runs `ip args...` against the namespace.
     pub fn ip(&self, args: &[&str]) -> Result<String> {
         run(Command::new("ip").args(["-n", &self.name]).args(args))
     }
@@ -113,6 +113,20 @@ fn delete(name: &str) -> Result<()> {
         .with_context(|| format!("deleting namespace {name}"))
 }
 
+/// The pid of the test run that made `name`, if the harness made it.
+fn owner(name: &str) -> Option<libc::pid_t> {
+    name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
+}
+
+/// Whether `pid` runs; a zombie does not (a killed run stays one until its parent reaps it).
+fn alive(pid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, fields)| fields.split_whitespace().next())
+            != Some("Z")
+    })
+}
+
 /// The harness's namespaces that exist now, as (name, pid of the run that made it).
 fn ours() -> Result<Vec<(String, libc::pid_t)>> {
     let list = run(Command::new("ip").args(["netns", "list"]))?;
@@ -120,8 +134,7 @@ fn ours() -> Result<Vec<(String, libc::pid_t)>> {
         .lines()
         .filter_map(|line| {
             let name = line.split_whitespace().next()?;
-            let pid = name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()?;
-            Some((name.to_owned(), pid))
+            Some((name.to_owned(), owner(name)?))
         })
         .collect())
 }
@@ -136,16 +149,34 @@ pub fn remaining() -> Result<Vec<String>> {
         .collect())
 }
 
+/// A temporary directory named like our namespaces, so that [`sweep_stale`] finds it if this
+/// run dies before its guard removes it.
+pub fn temp_dir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix(&format!("{PREFIX}{}-", std::process::id()))
+        .tempdir()
+        .context("creating a temporary directory")
+}
+
 /// Deletes the namespaces of test runs that are no longer alive (crashed or killed before
-/// their guards ran), and whatever still runs inside them.
+/// their guards ran) with whatever still runs inside them, and their temporary directories.
 pub fn sweep_stale() -> Result<()> {
     for (name, pid) in ours()? {
-        // SAFETY: signal 0 only checks that the pid exists.
-        let alive = unsafe { libc::kill(pid, 0) } == 0
-            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
-        if !alive {
-            eprintln!("deleting {name}, left by dead test run {pid}");
+        if !alive(pid) {
+            eprintln!("deleting namespace {name}, left by dead test run {pid}");
             delete(&name)?;
+        }
+    }
+    for entry in std::fs::read_dir(std::env::temp_dir())? {
+        let path = entry?.path();
+        let stale = path
+            .file_name()
+            .and_then(|name| owner(&name.to_string_lossy()))
+            .is_some_and(|pid| !alive(pid));
+        if stale && path.is_dir() {
+            eprintln!("deleting {}, left by a dead test run", path.display());
+            std::fs::remove_dir_all(&path)
+                .with_context(|| format!("deleting {}", path.display()))?;
         }
     }
     Ok(())

@@ -10,7 +10,7 @@ use anyhow::{ensure, Context, Result};
 use tempfile::TempDir;
 
 use crate::client;
-use crate::netns::{sweep_stale, Netns};
+use crate::netns::{sweep_stale, temp_dir, Netns};
 
 pub const VIP4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 60);
 pub const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x60);
@@ -57,6 +57,11 @@ pub fn backend_name(index: usize) -> String {
     format!("b{}", index + 1)
 }
 
+/// The switch's end of backend `index`'s veth.
+fn switch_port(index: usize) -> String {
+    format!("s{}", backend_name(index))
+}
+
 /// The namespaces of the gateway scenario, with a server running in every backend:
 ///
 /// ```text
@@ -81,7 +86,7 @@ pub struct Topology {
     gw: Netns,
     sw: Netns,
     backends: Vec<Netns>,
-    logs: TempDir,
+    dir: TempDir,
 }
 
 impl Topology {
@@ -97,9 +102,7 @@ impl Topology {
             backends: (0..BACKENDS)
                 .map(|i| Netns::create(&backend_name(i)))
                 .collect::<Result<_>>()?,
-            logs: tempfile::Builder::new()
-                .prefix("balancer-tests-")
-                .tempdir()?,
+            dir: temp_dir()?,
         };
         topology.wire().context("wiring the topology")?;
         topology
@@ -117,69 +120,33 @@ impl Topology {
         gw.sysctl("net.ipv4.ip_forward", "1")?;
         gw.sysctl("net.ipv6.conf.all.forwarding", "1")?;
 
-        client.ip(&[
-            "link",
-            "add",
-            "c0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "g0",
-            "netns",
-            gw.name(),
-        ])?;
-        gw.ip(&[
-            "link",
-            "add",
-            "g1",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "s0",
-            "netns",
-            sw.name(),
-        ])?;
-        sw.ip(&[
-            "link",
-            "add",
-            "br0",
-            "type",
-            "bridge",
-            "mcast_snooping",
-            "0",
-        ])?;
-        sw.ip(&["link", "set", "s0", "master", "br0"])?;
-        for (i, backend) in self.backends.iter().enumerate() {
-            let port = format!("s{}", backend_name(i));
-            sw.ip(&[
-                "link",
-                "add",
-                &port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                backend.name(),
-            ])?;
-            sw.ip(&["link", "set", &port, "master", "br0"])?;
+        let mut veths = vec![(client, "c0", gw, "g0"), (gw, "g1", sw, "s0")];
+        let ports: Vec<String> = (0..BACKENDS).map(switch_port).collect();
+        veths.extend(
+            ports
+                .iter()
+                .zip(&self.backends)
+                .map(|(port, backend)| (sw, port.as_str(), backend, "eth0")),
+        );
+        ip(sw, "link add br0 type bridge mcast_snooping 0")?;
+        for &(ns, dev, peer_ns, peer) in &veths {
+            ip(
+                ns,
+                &format!(
+                    "link add {dev} type veth peer name {peer} netns {}",
+                    peer_ns.name()
+                ),
+            )?;
+            for (ns, dev) in [(ns, dev), (peer_ns, peer)] {
+                ns.exec("ethtool", &["-K", dev, "tx", "off"])
+                    .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
+                ip(ns, &format!("link set {dev} up"))?;
+            }
         }
-
-        let mut veths = vec![(client, "c0"), (gw, "g0"), (gw, "g1"), (sw, "s0")];
-        let ports: Vec<String> = (0..BACKENDS)
-            .map(|i| format!("s{}", backend_name(i)))
-            .collect();
-        veths.extend(ports.iter().map(|port| (sw, port.as_str())));
-        veths.extend(self.backends.iter().map(|backend| (backend, "eth0")));
-        for (ns, dev) in veths {
-            ns.exec("ethtool", &["-K", dev, "tx", "off"])
-                .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
-            ns.ip(&["link", "set", dev, "up"])?;
+        for port in ["s0"].into_iter().chain(ports.iter().map(String::as_str)) {
+            ip(sw, &format!("link set {port} master br0"))?;
         }
-        sw.ip(&["link", "set", "br0", "up"])?;
+        ip(sw, "link set br0 up")?;
         for dev in GATEWAY_INTERFACES {
             gw.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
         }
@@ -187,15 +154,8 @@ impl Topology {
         add_addresses(client, "c0", "10.9.0.2/24", "fd00:9::2/64")?;
         add_addresses(gw, "g0", "10.9.0.1/24", "fd00:9::1/64")?;
         add_addresses(gw, "g1", "10.4.0.1/24", "fd00:4::1/64")?;
-        client.ip(&["route", "add", &format!("{VIP4}/32"), "via", "10.9.0.1"])?;
-        client.ip(&[
-            "-6",
-            "route",
-            "add",
-            &format!("{VIP6}/128"),
-            "via",
-            "fd00:9::1",
-        ])?;
+        ip(client, &format!("route add {VIP4}/32 via 10.9.0.1"))?;
+        ip(client, &format!("-6 route add {VIP6}/128 via fd00:9::1"))?;
         for (i, backend) in self.backends.iter().enumerate() {
             add_addresses(
                 backend,
@@ -203,8 +163,8 @@ impl Topology {
                 &format!("{}/24", Family::V4.backend(i)),
                 &format!("{}/64", Family::V6.backend(i)),
             )?;
-            backend.ip(&["route", "add", "10.9.0.0/24", "via", "10.4.0.1"])?;
-            backend.ip(&["-6", "route", "add", "fd00:9::/64", "via", "fd00:4::1"])?;
+            ip(backend, "route add 10.9.0.0/24 via 10.4.0.1")?;
+            ip(backend, "-6 route add fd00:9::/64 via fd00:4::1")?;
         }
         Ok(())
     }
@@ -232,7 +192,7 @@ impl Topology {
                     .arg(SocketAddr::new(family.backend(i), BACKEND_PORT).to_string());
             }
             cmd.args(["--name", &name]);
-            let log = self.logs.path().join(format!("{name}-sse-server.log"));
+            let log = self.dir.path().join(format!("{name}-sse-server.log"));
             backend
                 .spawn("sse-server", cmd, &log)?
                 .wait_for_line(0, READY_TIMEOUT, |line| line.contains("listening on"))?;
@@ -257,7 +217,7 @@ impl Topology {
         for (ns, dev) in [(&mut self.client, "c0"), (&mut self.sw, "s0")] {
             let mut cmd = ns.command(xdp_pass);
             cmd.arg(dev);
-            let log = self.logs.path().join(format!("{dev}-xdp-pass.log"));
+            let log = self.dir.path().join(format!("{dev}-xdp-pass.log"));
             ns.spawn("xdp-pass", cmd, &log)?
                 .wait_for_line(0, READY_TIMEOUT, |line| line.trim() == "attached")?;
         }
@@ -278,14 +238,14 @@ impl Topology {
 
     /// A directory that lives as long as the topology, for logs and configuration files.
     pub fn dir(&self) -> &Path {
-        self.logs.path()
+        self.dir.path()
     }
 
     /// The gateway interfaces that have an XDP program attached.
     pub fn gateway_xdp(&self) -> Result<Vec<String>> {
         let mut attached = Vec::new();
         for dev in GATEWAY_INTERFACES {
-            let details = self.gw.ip(&["-d", "link", "show", "dev", dev])?;
+            let details = ip(&self.gw, &format!("-d link show dev {dev}"))?;
             if details.contains("xdp") {
                 attached.push(format!("{dev}: {}", details.trim()));
             }
@@ -294,7 +254,7 @@ impl Topology {
     }
 
     fn print_logs(&self) {
-        let Ok(entries) = std::fs::read_dir(self.logs.path()) else {
+        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
             return;
         };
         let mut paths: Vec<_> = entries.filter_map(|e| Some(e.ok()?.path())).collect();
@@ -314,10 +274,15 @@ impl Drop for Topology {
     }
 }
 
+/// `ip` in `ns` with whitespace-separated arguments, which all of ours are.
+fn ip(ns: &Netns, args: &str) -> Result<String> {
+    ns.ip(&args.split_whitespace().collect::<Vec<_>>())
+}
+
 fn add_addresses(ns: &Netns, dev: &str, v4: &str, v6: &str) -> Result<()> {
-    ns.ip(&["addr", "add", v4, "dev", dev])?;
+    ip(ns, &format!("addr add {v4} dev {dev}"))?;
     // Without nodad the address stays tentative for a while and cannot be bound or used.
-    ns.ip(&["-6", "addr", "add", v6, "dev", dev, "nodad"])?;
+    ip(ns, &format!("-6 addr add {v6} dev {dev} nodad"))?;
     Ok(())
 }
 

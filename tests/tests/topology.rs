@@ -29,6 +29,8 @@ fn neighbours_reach_each_other_and_nothing_remains() {
     let routes = topology.client().ip(&["route", "show"]).unwrap();
     assert!(!routes.contains("default"), "{routes}");
     assert!(topology.gateway_xdp().unwrap().is_empty());
+    let offloads = topology.client().exec("ethtool", &["-k", "c0"]).unwrap();
+    assert!(offloads.contains("tx-checksumming: off"), "{offloads}");
     for i in 0..BACKENDS {
         let backend = topology.backend(i);
         let addresses = backend.ip(&["-brief", "addr", "show", "eth0"]).unwrap();

@@ -1,15 +1,67 @@
 //! `cargo xtask test`: the project's single test entry point (also what CI
 //! runs via .ci/run).
 
-use std::process::Command;
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::{cmd, setup};
 
 struct Step {
     name: &'static str,
     cmd: Command,
+    /// Tally the `test result:` lines of cargo test's output.
+    counts_tests: bool,
+}
+
+/// Tests passed and failed, summed over every test binary of a `cargo test` run.
+#[derive(Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+}
+
+impl Tally {
+    /// Reads `test result: ok. 14 passed; 0 failed; 0 ignored; ...`.
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(['.', ';']) {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                match (n.parse::<u64>(), what) {
+                    (Ok(n), "passed") => self.passed += n,
+                    (Ok(n), "failed") => self.failed += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Runs `cmd`, echoing its stdout line by line while tallying test results.
+fn run_counting(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
+    println!("$ {}", cmd::display(cmd));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {}", cmd::display(cmd)))?;
+    let stdout = child.stdout.take().context("cargo test's stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        tally.add_line(&line);
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{} exited with {status}", cmd::display(cmd));
+    }
+    Ok(())
 }
 
 pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
@@ -49,26 +101,62 @@ pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
         Step {
             name: "fmt",
             cmd: fmt,
+            counts_tests: false,
         },
         Step {
             name: "clippy",
             cmd: clippy,
+            counts_tests: false,
         },
         Step {
             name: "test",
             cmd: test,
+            counts_tests: true,
         },
     ];
 
-    let mut passed = 0;
-    for mut step in steps {
+    // The last line is the plain `N passed, N failed` that CI reads: tests, not steps.
+    let mut tally = Tally::default();
+    let total = steps.len();
+    for (done, mut step) in steps.into_iter().enumerate() {
         println!("==> {}", step.name);
-        if let Err(e) = cmd::run(step.cmd.current_dir(&root)) {
-            println!("xtask test: {passed} passed, 1 failed");
+        step.cmd.current_dir(&root);
+        let result = if step.counts_tests {
+            run_counting(&mut step.cmd, &mut tally)
+        } else {
+            cmd::run(&mut step.cmd)
+        };
+        if let Err(e) = result {
+            println!(
+                "xtask test: step `{}` failed after {done} of {total} steps",
+                step.name
+            );
+            println!(
+                "tests: {} passed, {} failed",
+                tally.passed,
+                tally.failed.max(1)
+            );
             return Err(e.context(format!("step `{}` failed", step.name)));
         }
-        passed += 1;
     }
-    println!("xtask test: {passed} passed, 0 failed");
+    println!("xtask test: all {total} steps passed");
+    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+
+    #[test]
+    fn tallies_cargo_test_result_lines() {
+        let mut t = Tally::default();
+        t.add_line("test result: ok. 14 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.08s");
+        t.add_line(
+            "test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out",
+        );
+        t.add_line("running 3 tests");
+        t.add_line("test foo ... ok");
+        assert_eq!((t.passed, t.failed), (16, 1));
+    }
 }
