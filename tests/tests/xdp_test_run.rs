@@ -124,6 +124,21 @@ struct Frame {
     flags: &'static str,
 }
 
+/// A SYN from the client to `dst:8000`, as it arrives on g0.
+fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
+    Frame {
+        smac: MAC_CLIENT,
+        dmac: MAC_G0,
+        vlan: None,
+        src: n.client,
+        dst,
+        sport,
+        dport: 8000,
+        ttl: 64,
+        flags: "S",
+    }
+}
+
 impl Frame {
     fn bytes(&self) -> Vec<u8> {
         let eth = PacketBuilder::ethernet2(self.smac, self.dmac);
@@ -358,17 +373,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
 fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let (g0, g1) = (h.g0, h.g1);
-    let syn = Frame {
-        smac: MAC_CLIENT,
-        dmac: MAC_G0,
-        vlan: None,
-        src: n.client,
-        dst: n.vip,
-        sport: 40001,
-        dport: 8000,
-        ttl: 64,
-        flags: "S",
-    };
+    let syn = client_syn(n, n.vip, 40001);
     // What the backend receives: DNAT, next hop's MACs, TTL - 1.
     let to_backend = |f: &Frame| {
         f.with(|f| {
@@ -638,17 +643,7 @@ fn kernel_picks_what_user_space_predicts(
 fn passing(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let g0 = h.g0;
-    let syn = Frame {
-        smac: MAC_CLIENT,
-        dmac: MAC_G0,
-        vlan: None,
-        src: n.client,
-        dst: n.vip,
-        sport: 41000,
-        dport: 8000,
-        ttl: 64,
-        flags: "S",
-    };
+    let syn = client_syn(n, n.vip, 41000);
     let same = |h: &mut Harness, what: &str, bytes: Vec<u8>, c: Counter| {
         h.expect(&format!("{fam} {what}"), g0, &bytes, XDP_PASS, &bytes, c)
     };
