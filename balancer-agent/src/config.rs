@@ -12,12 +12,14 @@ use std::{
 use balancer_common::{DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_VIPS};
 use serde::Deserialize;
 
+use crate::dialect::Dialect;
+
 /// At least 100 Maglev slots per server keeps each server's share within 1% of its weight.
 pub const MAX_SERVERS_PER_POOL: usize = (MAGLEV_SIZE / 100) as usize;
 /// Weights are relative; a cap keeps the Maglev fill loop's counters small.
 pub const MAX_WEIGHT: u32 = 1_000_000;
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub agent: Agent,
@@ -25,7 +27,7 @@ pub struct Config {
     pub pool: Vec<Pool>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Agent {
     /// Interfaces the program is attached to.
@@ -37,9 +39,33 @@ pub struct Agent {
     /// Read at start only: the table is created once.
     #[serde(default = "default_flow_entries")]
     pub flow_table_entries: u32,
+    /// How often every server's metrics are fetched.
+    #[serde(default = "default_scrape_interval_ms")]
+    pub scrape_interval_ms: u64,
+    /// Per-request limit of a scrape; by default the interval, at most one second.
+    #[serde(default)]
+    pub scrape_timeout_ms: Option<u64>,
+    /// How often each server gets a one-token completion.
+    #[serde(default = "default_health_interval_ms")]
+    pub health_interval_ms: u64,
+    #[serde(default = "default_health_timeout_ms")]
+    pub health_timeout_ms: u64,
+    /// Consecutive failed checks that take a server DOWN.
+    #[serde(default = "default_fall")]
+    pub fall: u32,
+    /// Consecutive good checks that bring it back UP.
+    #[serde(default = "default_rise")]
+    pub rise: u32,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+impl Agent {
+    pub fn scrape_timeout_ms(&self) -> u64 {
+        self.scrape_timeout_ms
+            .unwrap_or(self.scrape_interval_ms.min(1000))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Pool {
     pub name: String,
@@ -48,11 +74,26 @@ pub struct Pool {
     /// A connection idle for longer than this loses its backend.
     #[serde(default = "default_idle_timeout_s")]
     pub idle_timeout_s: u32,
+    /// A server with this many requests waiting takes no new connection.
+    #[serde(default = "default_spill_waiting")]
+    pub spill_waiting: u32,
+    /// A server whose recent time to first token reaches this takes no new connection.
+    #[serde(default = "default_spill_ttft_ms")]
+    pub spill_ttft_ms: u32,
+    /// A server whose KV-cache memory use reaches this fraction takes no new connection.
+    #[serde(default = "default_kv_high")]
+    pub kv_high: f64,
+    /// Metric dialect of every server of the pool; detected from the names when absent.
+    #[serde(default)]
+    pub dialect: Option<Dialect>,
+    /// Model named in health-check completions; the server's first model when absent.
+    #[serde(default)]
+    pub model: Option<String>,
     #[serde(default)]
     pub server: Vec<Server>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Server {
     pub address: IpAddr,
@@ -63,10 +104,16 @@ pub struct Server {
     /// Relative weight; 0 takes no new connection.
     #[serde(default = "default_weight")]
     pub weight: u32,
+    /// Overrides the pool's `dialect` for this server.
+    #[serde(default)]
+    pub dialect: Option<Dialect>,
 }
 
+/// Where the agent listens and the CLI connects unless told otherwise.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/balancer/agent.sock";
+
 fn default_control_socket() -> PathBuf {
-    PathBuf::from("/run/balancer/agent.sock")
+    PathBuf::from(DEFAULT_CONTROL_SOCKET)
 }
 fn default_flow_entries() -> u32 {
     DEFAULT_FLOW_ENTRIES
@@ -76,6 +123,30 @@ fn default_idle_timeout_s() -> u32 {
 }
 fn default_weight() -> u32 {
     100
+}
+fn default_scrape_interval_ms() -> u64 {
+    2000
+}
+fn default_health_interval_ms() -> u64 {
+    5000
+}
+fn default_health_timeout_ms() -> u64 {
+    2000
+}
+fn default_fall() -> u32 {
+    3
+}
+fn default_rise() -> u32 {
+    2
+}
+fn default_spill_waiting() -> u32 {
+    1
+}
+fn default_spill_ttft_ms() -> u32 {
+    500
+}
+fn default_kv_high() -> f64 {
+    0.95
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -174,6 +245,39 @@ impl Config {
                 format!("{} is outside 1024..=67108864", a.flow_table_entries),
             ));
         }
+        let ranges: [(&str, u64, u64, u64); 5] = [
+            (
+                "agent.scrape_interval_ms",
+                a.scrape_interval_ms,
+                100,
+                60_000,
+            ),
+            (
+                "agent.scrape_timeout_ms",
+                a.scrape_timeout_ms(),
+                10,
+                a.scrape_interval_ms,
+            ),
+            (
+                "agent.health_interval_ms",
+                a.health_interval_ms,
+                100,
+                600_000,
+            ),
+            ("agent.health_timeout_ms", a.health_timeout_ms, 10, 60_000),
+            ("agent.fall", u64::from(a.fall), 1, 100),
+        ];
+        for (key, v, lo, hi) in ranges {
+            if !(lo..=hi).contains(&v) {
+                return Err((key.into(), format!("{v} is outside {lo}..={hi}")));
+            }
+        }
+        if !(1..=100).contains(&a.rise) {
+            return Err((
+                "agent.rise".into(),
+                format!("{} is outside 1..=100", a.rise),
+            ));
+        }
         if self.pool.len() > MAX_VIPS as usize {
             return Err((
                 "pool".into(),
@@ -207,6 +311,18 @@ impl Config {
             }
             if p.idle_timeout_s == 0 || p.idle_timeout_s > 7 * 24 * 3600 {
                 return Err((at("idle_timeout_s"), "must be 1 s to 7 days".into()));
+            }
+            if !(1..=100_000).contains(&p.spill_waiting) {
+                return Err((at("spill_waiting"), "must be 1-100000".into()));
+            }
+            if !(1..=600_000).contains(&p.spill_ttft_ms) {
+                return Err((at("spill_ttft_ms"), "must be 1-600000".into()));
+            }
+            if !(p.kv_high > 0.0 && p.kv_high <= 1.0) {
+                return Err((at("kv_high"), format!("{} is not in (0, 1]", p.kv_high)));
+            }
+            if p.model.as_ref().is_some_and(|m| m.is_empty()) {
+                return Err((at("model"), "must not be empty".into()));
             }
             if p.server.len() > MAX_SERVERS_PER_POOL {
                 return Err((
@@ -279,6 +395,55 @@ address = "10.4.0.12"
 port = 8000
 metrics_port = 8001
 "#;
+
+    #[test]
+    fn control_loop_keys_have_defaults_and_limits() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.agent.scrape_interval_ms, 2000);
+        assert_eq!(c.agent.scrape_timeout_ms(), 1000);
+        assert_eq!((c.agent.fall, c.agent.rise), (3, 2));
+        assert_eq!(c.pool[0].spill_ttft_ms, 500);
+        assert_eq!(c.pool[0].dialect, None);
+        let fast = GOOD.replace("[agent]", "[agent]\nscrape_interval_ms = 100");
+        assert_eq!(parse(&fast).unwrap().agent.scrape_timeout_ms(), 100);
+        for (from, to, key) in [
+            (
+                "[agent]",
+                "[agent]\nscrape_interval_ms = 50",
+                "agent.scrape_interval_ms",
+            ),
+            (
+                "[agent]",
+                "[agent]\nscrape_timeout_ms = 5000",
+                "agent.scrape_timeout_ms",
+            ),
+            ("[agent]", "[agent]\nfall = 0", "agent.fall"),
+            ("[agent]", "[agent]\nrise = \"2\"", "rise"),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 8000\nkv_high = 1.5\n\n[[pool.server]]",
+                "pool[0].kv_high",
+            ),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 8000\nspill_waiting = 0\n\n[[pool.server]]",
+                "pool[0].spill_waiting",
+            ),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 8000\ndialect = \"openai\"\n\n[[pool.server]]",
+                "dialect",
+            ),
+        ] {
+            let err = parse(&GOOD.replacen(from, to, 1)).expect_err(to);
+            assert!(err.contains(key), "{to}: {err}");
+        }
+        let forced = GOOD.replacen("weight = 100", "weight = 100\ndialect = \"llamacpp\"", 1);
+        assert_eq!(
+            parse(&forced).unwrap().pool[0].server[0].dialect,
+            Some(Dialect::Llamacpp)
+        );
+    }
 
     fn parse(text: &str) -> Result<Config, String> {
         Config::parse(Path::new("balancer.toml"), text).map_err(|e| e.to_string())

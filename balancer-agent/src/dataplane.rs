@@ -1,7 +1,7 @@
 //! The loaded XDP program and its maps: load, attach, write a plan, read the counters.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
 };
@@ -13,7 +13,7 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
-    Backend, BackendStats, Counter, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
+    Backend, BackendStats, Counter, FlowEntry, FlowKey, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
 };
 use tracing::{info, warn};
 
@@ -82,6 +82,7 @@ pub struct Dataplane {
     maglev: MaglevMap,
     counters: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
+    flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
     links: BTreeMap<String, XdpLinkId>,
@@ -109,6 +110,7 @@ impl Dataplane {
         let maglev = MaglevMap::new(take(&mut ebpf, "MAGLEV")?)?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
+        let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
         Ok(Dataplane {
             ebpf,
             vips,
@@ -116,6 +118,7 @@ impl Dataplane {
             maglev,
             counters,
             backend_stats,
+            flows,
             installed: HashMap::new(),
             links: BTreeMap::new(),
         })
@@ -271,4 +274,62 @@ impl Dataplane {
                 bytes: a.bytes + v.bytes,
             }))
     }
+
+    /// Connections still open on each of `ids`: forward entries with no FIN or RST seen and
+    /// not idle past their timeout. Walks the whole flow table, so it is for occasional
+    /// questions (has a drained server's last stream ended?), not for every tick.
+    pub fn live_flows(&self, ids: &HashSet<u32>) -> Result<HashMap<u32, u64>> {
+        let now = monotonic_ns();
+        let mut live = HashMap::new();
+        for item in self.flows.iter() {
+            // Entries come and go while we walk; one that vanished under us is not live.
+            let Ok((_, e)) = item else { continue };
+            let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
+            if e.reverse == 0
+                && e.closed == 0
+                && ids.contains(&e.backend_id)
+                && now.saturating_sub(e.last_seen_ns) <= idle
+            {
+                *live.entry(e.backend_id).or_insert(0) += 1;
+            }
+        }
+        Ok(live)
+    }
+
+    /// Forgets the flows to `id` that have seen nothing but a SYN, so that the client's next
+    /// SYN is balanced again: nothing reached the server's application yet, so nothing is
+    /// lost. Returns how many were forgotten.
+    pub fn resteer_unacked(&mut self, id: u32) -> Result<usize> {
+        let mut doomed = Vec::new();
+        for item in self.flows.iter() {
+            let Ok((key, e)) = item else { continue };
+            if e.reverse == 0 && e.acked == 0 && e.closed == 0 && e.backend_id == id {
+                let reverse = FlowKey {
+                    src: e.nat_addr,
+                    dst: key.src,
+                    sport: e.nat_port,
+                    dport: key.sport,
+                    ..key
+                };
+                doomed.push((key, reverse));
+            }
+        }
+        for (forward, reverse) in &doomed {
+            // Either may have been evicted meanwhile; that is the outcome we want anyway.
+            self.flows.remove(forward).ok();
+            self.flows.remove(reverse).ok();
+        }
+        Ok(doomed.len())
+    }
+}
+
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -1,7 +1,13 @@
 //! The balancer's agent: configuration, the data path's maps, and the control loop.
 pub mod config;
+pub mod control;
+pub mod controller;
 pub mod dataplane;
+pub mod dialect;
+pub mod health;
 pub mod maglev;
 pub mod objects;
 pub mod plan;
+pub mod policy;
 pub mod run;
+pub mod scrape;

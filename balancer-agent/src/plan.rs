@@ -3,7 +3,7 @@
 
 use std::{
     collections::HashMap,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     time::{Duration, Instant},
 };
 
@@ -29,6 +29,8 @@ pub struct VipPlan {
     pub live_backends: u32,
     /// `MAGLEV_SIZE` backend ids.
     pub table: Vec<u32>,
+    /// Each configured server's id, in configuration order.
+    pub members: Vec<(SocketAddr, u32)>,
 }
 
 /// What the maps should hold.
@@ -40,6 +42,10 @@ pub struct Plan {
     /// Ids of servers that left the configuration: no new flow may pick them.
     pub retired: Vec<u32>,
 }
+
+/// Weights decided by the control loop, by pool name and server; a server that is absent
+/// gets its configured weight.
+pub type Weights = HashMap<(String, SocketAddr), u32>;
 
 /// A server's identity: the same server in two pools gets two ids, so that its per-pool
 /// counters stay apart.
@@ -71,7 +77,7 @@ impl Default for Ids {
 impl Ids {
     /// Assigns ids for `config` and computes the maps' contents. Fails, changing nothing,
     /// when the ids run out.
-    pub fn plan(&mut self, config: &Config, now: Instant) -> Result<Plan> {
+    pub fn plan(&mut self, config: &Config, weights: &Weights, now: Instant) -> Result<Plan> {
         let mut next = Ids {
             backends: HashMap::new(),
             vips: HashMap::new(),
@@ -125,16 +131,18 @@ impl Ids {
                         flags: BACKEND_F_PRESENT,
                     },
                 ));
-                keys.push((
-                    id,
-                    format!("{}", std::net::SocketAddr::new(s.address, s.port)),
-                ));
-                members.push((id, s.weight));
+                let addr = SocketAddr::new(s.address, s.port);
+                keys.push((id, addr.to_string()));
+                let weight = weights
+                    .get(&(pool.name.clone(), addr))
+                    .copied()
+                    .unwrap_or(s.weight);
+                members.push((id, weight, addr));
             }
             let maglev: Vec<MaglevBackend<'_>> = keys
                 .iter()
                 .zip(&members)
-                .map(|((id, key), (_, weight))| MaglevBackend {
+                .map(|((id, key), (_, weight, _))| MaglevBackend {
                     id: *id,
                     key,
                     weight: *weight,
@@ -150,8 +158,9 @@ impl Ids {
                     family,
                 },
                 idle_timeout_s: pool.idle_timeout_s,
-                live_backends: members.iter().filter(|(_, w)| *w > 0).count() as u32,
+                live_backends: members.iter().filter(|(_, w, _)| *w > 0).count() as u32,
                 table: build_table(&maglev, MAGLEV_SIZE),
+                members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
             });
         }
         // Flows may name a retired id until the longest idle timeout has passed.
@@ -231,11 +240,16 @@ mod tests {
         let mut ids = Ids::default();
         let now = Instant::now();
         let a = ids
-            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
+                &Weights::new(),
+                now,
+            )
             .unwrap();
         let b = ids
             .plan(
                 &config(&[("10.4.0.12", 50), ("10.4.0.13", 100), ("10.4.0.11", 0)]),
+                &Weights::new(),
                 now,
             )
             .unwrap();
@@ -252,19 +266,44 @@ mod tests {
     }
 
     #[test]
+    fn decided_weights_override_configured_ones() {
+        let mut ids = Ids::default();
+        let c = config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]);
+        let mut w = Weights::new();
+        w.insert(("p".into(), "10.4.0.12:8000".parse().unwrap()), 0);
+        let plan = ids.plan(&c, &w, Instant::now()).unwrap();
+        assert_eq!(plan.vips[0].live_backends, 1);
+        assert!(!plan.vips[0].table.contains(&id_of(&plan, 12)));
+        assert_eq!(
+            plan.vips[0].members[1],
+            ("10.4.0.12:8000".parse().unwrap(), id_of(&plan, 12))
+        );
+    }
+
+    #[test]
     fn removed_servers_are_retired_and_their_ids_quarantined() {
         let mut ids = Ids::default();
         let now = Instant::now();
         let a = ids
-            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
+                &Weights::new(),
+                now,
+            )
             .unwrap();
         let gone = id_of(&a, 12);
-        let b = ids.plan(&config(&[("10.4.0.11", 100)]), now).unwrap();
+        let b = ids
+            .plan(&config(&[("10.4.0.11", 100)]), &Weights::new(), now)
+            .unwrap();
         assert_eq!(b.retired, vec![gone]);
         assert!(!b.vips[0].table.contains(&gone));
         // Coming back later gets a fresh id: flows of the old one may still be counted.
         let c = ids
-            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]), now)
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
+                &Weights::new(),
+                now,
+            )
             .unwrap();
         assert_ne!(id_of(&c, 12), gone);
         assert!(c.retired.is_empty());
@@ -282,14 +321,24 @@ mod tests {
             .filter(|id| *id != 5)
             .map(|id| (id, now + Duration::from_secs(60)))
             .collect();
-        let a = ids.plan(&config(&[("10.4.0.11", 100)]), now).unwrap();
+        let a = ids
+            .plan(&config(&[("10.4.0.11", 100)]), &Weights::new(), now)
+            .unwrap();
         assert_eq!(id_of(&a, 11), 5);
         assert!(ids
-            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]), now)
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]),
+                &Weights::new(),
+                now
+            )
             .is_err());
         let later = now + Duration::from_secs(61);
         assert!(ids
-            .plan(&config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]), later)
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 1)]),
+                &Weights::new(),
+                later
+            )
             .is_ok());
     }
 }

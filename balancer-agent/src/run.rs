@@ -1,74 +1,260 @@
-//! `balancer-agent run`: load, fill the maps, attach, then follow signals: SIGHUP reloads
-//! the configuration, SIGINT and SIGTERM detach and exit.
+//! `balancer-agent run`: load, fill the maps, attach, then keep them current: scrapes,
+//! counter folds and health checks each on their own schedule, the control socket, and
+//! signals (SIGHUP reloads the configuration; SIGINT and SIGTERM detach and exit).
 
-use std::{path::Path, time::Instant};
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::Path,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
 
-use anyhow::{Context, Result};
-use tokio::signal::unix::{signal, SignalKind};
+use anyhow::{bail, Context, Result};
+use futures_util::future::join_all;
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::{UnixListener, UnixStream},
+    signal::unix::{signal, SignalKind},
+    time::{sleep, timeout, Instant},
+};
 use tracing::{error, info, warn};
 
-use crate::{config::Config, dataplane::Dataplane, plan::Ids};
+use crate::{
+    config::Config,
+    control::{Request, Response},
+    controller::Controller,
+    dataplane::Dataplane,
+    health::Checker,
+    scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
+};
+
+type Shared = Arc<Mutex<Controller>>;
+
+fn lock(c: &Shared) -> MutexGuard<'_, Controller> {
+    // A panic while holding the lock leaves consistent state behind: every update is a
+    // plain assignment of finished values.
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 pub async fn run(config_path: &Path) -> Result<()> {
     // Before anything else: a SIGHUP that arrives early must reload, not kill us.
     let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut config = Config::load(config_path)?;
-    let mut dp = Dataplane::load(config.agent.flow_table_entries)?;
-    let mut ids = Ids::default();
-    let plan = ids.plan(&config, Instant::now())?;
+
+    let config = Config::load(config_path)?;
+    let socket_path = config.agent.control_socket.clone();
+    let listener = bind_control_socket(&socket_path)?;
+    let dp = Dataplane::load(config.agent.flow_table_entries)?;
+    let interfaces = config.agent.interfaces.clone();
     // Maps first: a program attached to empty maps would pass VIP traffic to the stack.
-    dp.apply(&plan)?;
-    if let Err(e) = dp.attach(&config.agent.interfaces) {
-        dp.detach_all().ok();
+    let ctl = Arc::new(Mutex::new(Controller::new(config.clone(), dp)?));
+    if let Err(e) = lock(&ctl).dataplane().attach(&interfaces) {
+        lock(&ctl).dataplane().detach_all().ok();
         return Err(e);
     }
     info!(
         pools = config.pool.len(),
-        interfaces = ?config.agent.interfaces,
+        interfaces = ?interfaces,
+        socket = %socket_path.display(),
         "ready"
     );
 
+    let tasks = [
+        tokio::spawn(scrape_loop(ctl.clone())),
+        tokio::spawn(fold_loop(ctl.clone())),
+        tokio::spawn(health_loop(ctl.clone())),
+        tokio::spawn(serve(listener, ctl.clone())),
+    ];
     loop {
         tokio::select! {
-            _ = hup.recv() => match reload(config_path, &config, &mut ids, &mut dp) {
-                Ok(new) => {
-                    config = new;
-                    info!(pools = config.pool.len(), "config reloaded");
-                }
+            _ = hup.recv() => match reload(config_path, &ctl) {
+                Ok(pools) => info!(pools, "config reloaded"),
                 Err(e) => error!("reload failed, keeping the running configuration: {e:#}"),
             },
             _ = int.recv() => break,
             _ = term.recv() => break,
         }
     }
-    dp.detach_all()?;
+    for t in &tasks {
+        t.abort();
+    }
+    std::fs::remove_file(&socket_path).ok();
+    lock(&ctl).dataplane().detach_all()?;
     info!("stopped");
     Ok(())
 }
 
 /// Applies a new configuration to new flows; established flows keep their backends.
-fn reload(path: &Path, old: &Config, ids: &mut Ids, dp: &mut Dataplane) -> Result<Config> {
+fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     let new = Config::load(path)?;
     for name in &new.agent.interfaces {
         // Checked before anything is applied, so that a typo changes nothing.
         require_interface(name)?;
     }
-    if new.agent.flow_table_entries != old.agent.flow_table_entries {
+    let mut c = lock(ctl);
+    let old = c.config().agent.clone();
+    if new.agent.flow_table_entries != old.flow_table_entries {
         warn!("agent.flow_table_entries changes only when the agent restarts");
     }
-    let plan = ids.plan(&new, Instant::now())?;
-    dp.apply(&plan)?;
-    dp.attach(&new.agent.interfaces)?;
-    Ok(new)
+    if new.agent.control_socket != old.control_socket {
+        warn!("agent.control_socket changes only when the agent restarts");
+    }
+    let pools = new.pool.len();
+    let interfaces = new.agent.interfaces.clone();
+    c.reconfigure(new)?;
+    c.dataplane().attach(&interfaces)?;
+    Ok(pools)
 }
 
 fn require_interface(name: &str) -> Result<()> {
     let c = std::ffi::CString::new(name).context("interface name")?;
     // SAFETY: a NUL-terminated string that outlives the call.
     if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
-        anyhow::bail!("agent.interfaces: no interface named {name:?}");
+        bail!("agent.interfaces: no interface named {name:?}");
     }
     Ok(())
+}
+
+/// Scrapes every server concurrently, once per interval, and hands the results over. The
+/// scraper lives across rounds so that its connections to the servers stay open.
+async fn scrape_loop(ctl: Shared) {
+    let mut scraper: Option<Scraper> = None;
+    loop {
+        let (targets, interval, limit) = {
+            let mut c = lock(&ctl);
+            let limit = Duration::from_millis(c.config().agent.scrape_timeout_ms());
+            (c.scrape_targets(), c.scrape_interval(), limit)
+        };
+        let next = Instant::now() + interval;
+        if scraper.as_ref().is_none_or(|s| s.timeout() != limit) {
+            scraper = Scraper::new(limit, DEFAULT_MAX_METRICS_BYTES)
+                .map_err(|e| warn!("cannot scrape: {e:#}"))
+                .ok();
+        }
+        if let Some(scraper) = &scraper {
+            let results = join_all(targets.into_iter().map(|t| async move {
+                let r = scraper.scrape(t.metrics, t.dialect).await;
+                (t, r)
+            }))
+            .await;
+            lock(&ctl).scraped(results);
+        }
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+/// Folds the program's flow counters into the picture between scrapes.
+async fn fold_loop(ctl: Shared) {
+    loop {
+        let interval = lock(&ctl).fold_interval();
+        sleep(interval).await;
+        lock(&ctl).fold();
+    }
+}
+
+/// One-token completions to every server, on their own schedule.
+async fn health_loop(ctl: Shared) {
+    loop {
+        let (targets, interval, timeout_ms) = {
+            let c = lock(&ctl);
+            (
+                c.health_targets(),
+                c.health_interval(),
+                c.config().agent.health_timeout_ms,
+            )
+        };
+        let next = Instant::now() + interval;
+        match Checker::new(Duration::from_millis(timeout_ms)) {
+            Ok(checker) => {
+                let results = join_all(targets.into_iter().map(|t| {
+                    let checker = &checker;
+                    async move {
+                        let api = t.key.1;
+                        let limit = Duration::from_millis(timeout_ms);
+                        let result = async {
+                            let model = match t.model {
+                                Some(m) => m,
+                                None => checker.discover_model(api).await?,
+                            };
+                            checker.check(api, &model).await?;
+                            Ok::<_, anyhow::Error>(model)
+                        };
+                        // The whole check, model discovery included, within the timeout.
+                        match timeout(limit, result).await {
+                            Ok(Ok(model)) => (t.key, Some(model), Ok(())),
+                            Ok(Err(e)) => (t.key, None, Err(e)),
+                            Err(_) => (
+                                t.key,
+                                None,
+                                Err(anyhow::anyhow!("no answer in {timeout_ms} ms")),
+                            ),
+                        }
+                    }
+                }))
+                .await;
+                lock(&ctl).checked(results);
+            }
+            Err(e) => warn!("cannot run health checks: {e:#}"),
+        }
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+/// Binds the control socket, readable and writable by its owner only.
+fn bind_control_socket(path: &Path) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("another agent is listening on {}", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the stale socket {}", path.display()))?;
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("restricting {}", path.display()))?;
+    Ok(listener)
+}
+
+async fn serve(listener: UnixListener, ctl: Shared) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(answer(stream, ctl.clone()));
+            }
+            Err(e) => {
+                warn!("control socket: {e}");
+                sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One request, one response; a client that sends nothing sensible gets an error, and a
+/// slow one is dropped.
+async fn answer(stream: UnixStream, ctl: Shared) {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    // Requests are small; a bounded read keeps a misbehaving client from costing memory.
+    let mut reader = BufReader::new(read).take(64 * 1024);
+    let response = match timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
+        Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
+            Ok(request) => lock(&ctl).handle(request),
+            Err(e) => Response::Error {
+                message: format!("bad request: {e}"),
+            },
+        },
+        Ok(Err(e)) => Response::Error {
+            message: format!("bad request: {e}"),
+        },
+        Err(_) => return,
+    };
+    if let Ok(mut text) = serde_json::to_string(&response) {
+        text.push('\n');
+        write.write_all(text.as_bytes()).await.ok();
+    }
 }

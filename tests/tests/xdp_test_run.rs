@@ -341,7 +341,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         let nets = [v4(), v6()];
         let config = config(&nets);
         let mut dp = Dataplane::load(1 << 16)?;
-        let plan = Ids::default().plan(&config, std::time::Instant::now())?;
+        let plan = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
         dp.apply(&plan)?;
         let id = |addr: IpAddr| {
             let (w, _) = balancer_common::addr_words(addr);

@@ -1,0 +1,213 @@
+//! The control socket: one JSON request per connection, one JSON response. The CLI and the
+//! running agent share these types, so they cannot drift apart.
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead, BufReader, Write},
+    os::unix::net::UnixStream,
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    Show { pool: String },
+    Drain { pool: String, server: String },
+    Undrain { pool: String, server: String },
+    DrainStatus { pool: String, server: String },
+    Counters,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Response {
+    Pool(PoolView),
+    Done { message: String },
+    DrainStatus(DrainStatus),
+    Counters { counters: Vec<(String, u64)> },
+    Error { message: String },
+}
+
+/// One pool in the operator's terms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolView {
+    pub pool: String,
+    pub vip: String,
+    pub servers: Vec<ServerRow>,
+}
+
+/// One server. `None` is a signal the server does not publish (or has not yet).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerRow {
+    pub server: String,
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    /// KV-cache memory in use, 0..=1.
+    pub kv_mem: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    pub state: String,
+    pub weight: u32,
+    /// Connections through us that have not closed.
+    pub flows: u64,
+    /// New connections per second, over the last fold of the counters.
+    pub new_per_s: f64,
+    /// Why the weight is what it is.
+    pub reason: String,
+    pub dialect: Option<String>,
+    /// Age of the last good scrape.
+    pub metrics_age_ms: Option<u64>,
+    pub scrape_error: Option<String>,
+    pub health: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainStatus {
+    pub draining: bool,
+    /// Running requests in the first scrape taken after the drain began.
+    pub running: Option<f64>,
+    /// Connections of ours still open on the server.
+    pub flows: u64,
+}
+
+impl DrainStatus {
+    pub fn finished(&self) -> bool {
+        self.running == Some(0.0) && self.flows == 0
+    }
+}
+
+/// Sends one request to the agent listening on `socket`.
+pub fn call(socket: &Path, request: &Request) -> Result<Response> {
+    let mut stream = UnixStream::connect(socket).map_err(|e| {
+        use std::io::ErrorKind::{ConnectionRefused, NotFound};
+        match e.kind() {
+            NotFound | ConnectionRefused => anyhow::anyhow!(
+                "no agent is running (nothing listens on {})",
+                socket.display()
+            ),
+            _ => anyhow::anyhow!("connecting to {}: {e}", socket.display()),
+        }
+    })?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut line = serde_json::to_string(request)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    let mut answer = String::new();
+    BufReader::new(stream)
+        .read_line(&mut answer)
+        .context("reading the agent's answer")?;
+    if answer.is_empty() {
+        bail!("the agent closed the connection without answering");
+    }
+    serde_json::from_str(&answer).context("the agent's answer is not understood")
+}
+
+/// The pool as a table whose first columns are the operator's:
+/// `server running waiting kv-mem ttft-ms state`, then weight, flows, new/s.
+pub fn render(view: &PoolView) -> String {
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    let mut rows = vec![[
+        "server", "running", "waiting", "kv-mem", "ttft-ms", "state", "weight", "flows", "new/s",
+    ]
+    .map(String::from)];
+    for s in &view.servers {
+        rows.push([
+            s.server.clone(),
+            dash(s.running.map(|v| format!("{v:.0}"))),
+            dash(s.waiting.map(|v| format!("{v:.0}"))),
+            dash(s.kv_mem.map(|v| format!("{:.0}%", v * 100.0))),
+            dash(s.ttft_ms.map(|v| format!("{v:.0}"))),
+            s.state.clone(),
+            s.weight.to_string(),
+            s.flows.to_string(),
+            format!("{:.1}", s.new_per_s),
+        ]);
+    }
+    let widths: Vec<usize> = (0..9)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = format!("pool {} (VIP {})\n", view.pool, view.vip);
+    for r in &rows {
+        let mut line = String::new();
+        for (c, cell) in r.iter().enumerate() {
+            let _ = write!(line, "{cell:<w$}  ", w = widths[c]);
+        }
+        out += line.trim_end();
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(server: &str, kv: Option<f64>, ttft: Option<f64>, state: &str) -> ServerRow {
+        ServerRow {
+            server: server.into(),
+            running: Some(14.0),
+            waiting: Some(0.0),
+            kv_mem: kv,
+            ttft_ms: ttft,
+            state: state.into(),
+            weight: 100,
+            flows: 3,
+            new_per_s: 1.5,
+            reason: String::new(),
+            dialect: None,
+            metrics_age_ms: None,
+            scrape_error: None,
+            health: String::new(),
+        }
+    }
+
+    #[test]
+    fn table_starts_with_the_operators_columns_and_dashes_what_is_missing() {
+        let view = PoolView {
+            pool: "chat-pool".into(),
+            vip: "192.0.2.60:8000".into(),
+            servers: vec![
+                row("10.4.0.11:8000", Some(0.61), Some(240.0), "UP"),
+                row("10.4.0.14:8000", None, None, "DRAINING"),
+            ],
+        };
+        let text = render(&view);
+        let mut lines = text.lines().skip(1);
+        let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(
+            header[..6],
+            ["server", "running", "waiting", "kv-mem", "ttft-ms", "state"]
+        );
+        assert_eq!(header[6..], ["weight", "flows", "new/s"]);
+        let first: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(
+            first[..6],
+            ["10.4.0.11:8000", "14", "0", "61%", "240", "UP"]
+        );
+        let second: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(second[3..6], ["-", "-", "DRAINING"]);
+    }
+
+    #[test]
+    fn requests_round_trip_as_json() {
+        let r = Request::Drain {
+            pool: "p".into(),
+            server: "10.4.0.11".into(),
+        };
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(text, r#"{"cmd":"drain","pool":"p","server":"10.4.0.11"}"#);
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), r);
+    }
+
+    #[test]
+    fn no_agent_is_one_clear_line() {
+        let err = call(Path::new("/nonexistent/agent.sock"), &Request::Counters).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no agent is running (nothing listens on /nonexistent/agent.sock)"
+        );
+    }
+}

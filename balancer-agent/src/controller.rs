@@ -1,0 +1,587 @@
+//! The agent's picture of every server, and what it does with it: scrapes and health checks
+//! come in, weights go out to the maps. Time-critical I/O (scrapes, checks) happens outside;
+//! this holds the state and the decisions, behind one lock taken for short moments.
+
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use balancer_common::{BackendStats, Counter};
+use tracing::{info, warn};
+
+use crate::{
+    config::{Config, Pool},
+    control::{DrainStatus, PoolView, Response, ServerRow},
+    dataplane::Dataplane,
+    dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
+    health::{Outcome, Track, Transition},
+    plan::{Ids, Weights},
+    policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
+};
+
+/// A server is identified by its pool and its API address.
+pub type ServerKey = (String, SocketAddr);
+
+/// Metrics older than this many scrape intervals are stale.
+const STALE_INTERVALS: u32 = 3;
+
+struct Server {
+    id: u32,
+    metrics: SocketAddr,
+    dialect: Option<Dialect>,
+    track: Track,
+    draining: bool,
+    /// When the drain began: a drain is over only after a scrape taken later says so.
+    drain_started: Option<Instant>,
+    reading: Option<Reading>,
+    /// When the request of the last good scrape was sent.
+    reading_at: Option<Instant>,
+    ttft_ms: Option<f64>,
+    /// When `ttft_ms` was last observed: a TTFT that nothing renews ages out, or a server
+    /// saturated by TTFT would never get the request that shows it recovered.
+    ttft_at: Option<Instant>,
+    last_ttft: Option<TtftTotals>,
+    /// Counters when the last good scrape was sent, and now.
+    at_scrape: BackendStats,
+    now: BackendStats,
+    now_at: Instant,
+    new_per_s: f64,
+    decision: Decision,
+    scrape_error: Option<String>,
+    health: String,
+    model: Option<String>,
+}
+
+impl Server {
+    fn state(&self) -> State {
+        if self.draining {
+            State::Draining
+        } else if self.track.down {
+            State::Down
+        } else {
+            State::Up
+        }
+    }
+}
+
+/// What a scrape task needs to know about one server.
+pub struct ScrapeTarget {
+    pub key: ServerKey,
+    pub metrics: SocketAddr,
+    pub dialect: Option<Dialect>,
+    pub sent_at: Instant,
+    pub stats: BackendStats,
+}
+
+/// What a health task needs to know about one server.
+pub struct HealthTarget {
+    pub key: ServerKey,
+    pub model: Option<String>,
+}
+
+pub struct Controller {
+    config: Config,
+    ids: Ids,
+    dp: Dataplane,
+    servers: HashMap<ServerKey, Server>,
+    /// Weights in the maps now, per pool in configuration order.
+    applied: HashMap<String, Vec<u32>>,
+}
+
+impl Controller {
+    /// Fills the maps with the configured weights; the first scrapes refine them.
+    pub fn new(config: Config, mut dp: Dataplane) -> Result<Self> {
+        let mut ids = Ids::default();
+        let plan = ids.plan(&config, &Weights::new(), Instant::now())?;
+        dp.apply(&plan)?;
+        let mut c = Controller {
+            config: Config {
+                pool: Vec::new(),
+                ..config.clone()
+            },
+            ids,
+            dp,
+            servers: HashMap::new(),
+            applied: HashMap::new(),
+        };
+        c.adopt(config, &plan);
+        Ok(c)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn dataplane(&mut self) -> &mut Dataplane {
+        &mut self.dp
+    }
+
+    /// Takes a new configuration: servers that stay keep their state (drain, health,
+    /// metrics); new ones start UP with their configured weight.
+    pub fn reconfigure(&mut self, config: Config) -> Result<()> {
+        let weights = self.current_weights(&config);
+        let plan = self.ids.plan(&config, &weights, Instant::now())?;
+        self.dp.apply(&plan)?;
+        self.adopt(config, &plan);
+        Ok(())
+    }
+
+    fn adopt(&mut self, config: Config, plan: &crate::plan::Plan) {
+        let now = Instant::now();
+        let mut servers = HashMap::new();
+        self.applied.clear();
+        for (pool, vip) in config.pool.iter().zip(&plan.vips) {
+            let mut applied = Vec::new();
+            for (s, (addr, id)) in pool.server.iter().zip(&vip.members) {
+                let key = (pool.name.clone(), *addr);
+                let old = self.servers.remove(&key).filter(|o| o.id == *id);
+                let server = match old {
+                    Some(mut o) => {
+                        o.metrics = SocketAddr::new(s.address, s.metrics_port);
+                        o.dialect = s.dialect.or(pool.dialect);
+                        o.model = pool.model.clone().or(o.model);
+                        o
+                    }
+                    None => Server {
+                        id: *id,
+                        metrics: SocketAddr::new(s.address, s.metrics_port),
+                        dialect: s.dialect.or(pool.dialect),
+                        track: Track::default(),
+                        draining: false,
+                        drain_started: None,
+                        reading: None,
+                        reading_at: None,
+                        ttft_ms: None,
+                        ttft_at: None,
+                        last_ttft: None,
+                        at_scrape: BackendStats::default(),
+                        now: BackendStats::default(),
+                        now_at: now,
+                        new_per_s: 0.0,
+                        decision: Decision {
+                            weight: s.weight,
+                            saturated: false,
+                            reason: "configured weight, no metrics yet".into(),
+                        },
+                        scrape_error: None,
+                        health: "not checked yet".into(),
+                        model: pool.model.clone(),
+                    },
+                };
+                applied.push(server.decision.weight);
+                servers.insert(key, server);
+            }
+            self.applied.insert(pool.name.clone(), applied);
+        }
+        self.servers = servers;
+        self.config = config;
+    }
+
+    fn current_weights(&self, config: &Config) -> Weights {
+        let mut w = Weights::new();
+        for pool in &config.pool {
+            for s in &pool.server {
+                let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
+                if let Some(server) = self.servers.get(&key) {
+                    if server.reading.is_some() || server.state() != State::Up {
+                        w.insert(key, server.decision.weight);
+                    }
+                }
+            }
+        }
+        w
+    }
+
+    pub fn scrape_interval(&self) -> Duration {
+        Duration::from_millis(self.config.agent.scrape_interval_ms)
+    }
+
+    /// Counters are folded into the picture this often between scrapes, so that a burst of
+    /// new connections weighs before the next scrape shows it.
+    pub fn fold_interval(&self) -> Duration {
+        (self.scrape_interval() / 4).clamp(Duration::from_millis(25), Duration::from_millis(250))
+    }
+
+    pub fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.config.agent.health_interval_ms)
+    }
+
+    pub fn scrape_targets(&mut self) -> Vec<ScrapeTarget> {
+        let now = Instant::now();
+        let mut targets = Vec::new();
+        for (key, s) in &self.servers {
+            targets.push(ScrapeTarget {
+                key: key.clone(),
+                metrics: s.metrics,
+                dialect: s.dialect,
+                sent_at: now,
+                stats: self.dp.backend_stats(s.id).unwrap_or(s.now),
+            });
+        }
+        targets
+    }
+
+    /// Takes the results of one round of scrapes, then decides.
+    pub fn scraped(
+        &mut self,
+        results: Vec<(ScrapeTarget, Result<Reading, crate::scrape::ScrapeError>)>,
+    ) {
+        for (target, result) in results {
+            let Some(s) = self.servers.get_mut(&target.key) else {
+                continue; // removed by a reload meanwhile
+            };
+            match result {
+                Ok(reading) => {
+                    let ttft = reading.ttft;
+                    if let Some(ms) = recent_ttft_ms(s.last_ttft, ttft) {
+                        s.ttft_ms = Some(ms);
+                        s.ttft_at = Some(target.sent_at);
+                    }
+                    s.last_ttft = ttft;
+                    s.reading = Some(reading);
+                    s.reading_at = Some(target.sent_at);
+                    s.at_scrape = target.stats;
+                    s.scrape_error = None;
+                }
+                Err(e) => {
+                    if s.scrape_error.as_deref() != Some(&e.to_string()) {
+                        warn!(pool = %target.key.0, server = %target.key.1, "scrape failed: {e}");
+                    }
+                    s.scrape_error = Some(e.to_string());
+                }
+            }
+        }
+        self.fold();
+    }
+
+    /// Reads the program's per-backend counters and decides again.
+    pub fn fold(&mut self) {
+        let now = Instant::now();
+        let ttft_life = self.scrape_interval() * STALE_INTERVALS;
+        for s in self.servers.values_mut() {
+            if s.ttft_at.is_some_and(|t| now.duration_since(t) > ttft_life) {
+                s.ttft_ms = None;
+                s.ttft_at = None;
+            }
+            if let Ok(stats) = self.dp.backend_stats(s.id) {
+                let dt = now.duration_since(s.now_at).as_secs_f64();
+                if dt > 0.0 {
+                    let opened = stats.flows_opened.saturating_sub(s.now.flows_opened);
+                    s.new_per_s = opened as f64 / dt;
+                }
+                s.now = stats;
+                s.now_at = now;
+            }
+        }
+        self.refresh(false);
+    }
+
+    /// Recomputes every pool's weights; writes the maps when they changed enough, or always
+    /// with `force` (a state change must not wait for hysteresis).
+    fn refresh(&mut self, force: bool) {
+        let now = Instant::now();
+        let stale_after = self.scrape_interval() * STALE_INTERVALS;
+        let mut changed = false;
+        for pool in &self.config.pool {
+            let keys: Vec<ServerKey> = pool
+                .server
+                .iter()
+                .map(|s| (pool.name.clone(), SocketAddr::new(s.address, s.port)))
+                .collect();
+            let views: Vec<ServerView> = pool
+                .server
+                .iter()
+                .zip(&keys)
+                .map(|(cfg, key)| {
+                    let s = &self.servers[key];
+                    let opened = s.now.flows_opened.saturating_sub(s.at_scrape.flows_opened);
+                    let closed = s.now.flows_closed.saturating_sub(s.at_scrape.flows_closed);
+                    ServerView {
+                        state: s.state(),
+                        configured: cfg.weight,
+                        running: s.reading.as_ref().map(|r| r.running),
+                        waiting: s.reading.as_ref().map(|r| r.waiting),
+                        kv_usage: s.reading.as_ref().and_then(|r| r.kv_usage),
+                        ttft_ms: s.ttft_ms,
+                        stale: s
+                            .reading_at
+                            .is_none_or(|t| now.duration_since(t) > stale_after),
+                        fresh_flows: opened.saturating_sub(closed),
+                    }
+                })
+                .collect();
+            let decisions = decide(&views, &thresholds(pool));
+            let new: Vec<u32> = decisions.iter().map(|d| d.weight).collect();
+            let old = self.applied.get(&pool.name).cloned().unwrap_or_default();
+            let apply = force || worth_applying(&old, &new);
+            for (key, d) in keys.iter().zip(decisions) {
+                let s = self.servers.get_mut(key).expect("server of the pool");
+                if apply && (s.decision.weight == 0) != (d.weight == 0) {
+                    info!(
+                        pool = %key.0,
+                        server = %key.1,
+                        weight = d.weight,
+                        "{}",
+                        if d.weight == 0 { format!("takes no new connections: {}", d.reason) } else { format!("takes new connections again: {}", d.reason) }
+                    );
+                }
+                if apply {
+                    s.decision = d;
+                } else {
+                    // Keep the applied weight, but show the current reasoning.
+                    s.decision.reason = d.reason;
+                    s.decision.saturated = d.saturated;
+                }
+            }
+            if apply && old != new {
+                self.applied.insert(pool.name.clone(), new);
+                changed = true;
+            }
+        }
+        if changed {
+            let weights = self.current_weights(&self.config);
+            let result = self
+                .ids
+                .plan(&self.config, &weights, Instant::now())
+                .and_then(|plan| self.dp.apply(&plan));
+            if let Err(e) = result {
+                warn!("writing new weights failed: {e:#}");
+            }
+        }
+    }
+
+    pub fn health_targets(&self) -> Vec<HealthTarget> {
+        self.servers
+            .iter()
+            .map(|(key, s)| HealthTarget {
+                key: key.clone(),
+                model: s.model.clone(),
+            })
+            .collect()
+    }
+
+    /// Takes one round of health-check results (with the model each server was asked for).
+    pub fn checked(&mut self, results: Vec<(ServerKey, Option<String>, Result<()>)>) {
+        let (fall, rise) = (self.config.agent.fall, self.config.agent.rise);
+        let spill: HashMap<&str, u32> = self
+            .config
+            .pool
+            .iter()
+            .map(|p| (p.name.as_str(), p.spill_waiting))
+            .collect();
+        let mut transitions = false;
+        for (key, model, result) in results {
+            let Some(spill_waiting) = spill.get(key.0.as_str()).copied() else {
+                continue;
+            };
+            let Some(s) = self.servers.get_mut(&key) else {
+                continue;
+            };
+            if s.model.is_none() {
+                s.model = model;
+            }
+            let outcome = match &result {
+                Ok(()) => Outcome::Ok,
+                Err(_)
+                    if s.reading
+                        .as_ref()
+                        .is_some_and(|r| r.waiting >= f64::from(spill_waiting)) =>
+                {
+                    Outcome::Busy
+                }
+                Err(_) => Outcome::Failed,
+            };
+            s.health = match (&result, outcome) {
+                (Ok(()), _) => "ok".into(),
+                (Err(e), Outcome::Busy) => format!("busy (queue): {e:#}"),
+                (Err(e), _) => format!("failed: {e:#}"),
+            };
+            match s.track.record(outcome, fall, rise) {
+                Some(Transition::WentDown) => {
+                    transitions = true;
+                    warn!(pool = %key.0, server = %key.1, "DOWN after {fall} failed checks: {}", s.health);
+                    match self.dp.resteer_unacked(s.id) {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            info!(pool = %key.0, server = %key.1, "{n} connections that had sent only a SYN will be balanced again")
+                        }
+                        Err(e) => warn!("re-steering SYN-only flows failed: {e:#}"),
+                    }
+                }
+                Some(Transition::CameUp) => {
+                    transitions = true;
+                    info!(pool = %key.0, server = %key.1, "UP after {rise} good checks");
+                }
+                None => {}
+            }
+        }
+        if transitions {
+            self.refresh(true);
+        }
+    }
+
+    fn find(&self, pool: &str, server: &str) -> Result<ServerKey> {
+        let Some(p) = self.config.pool.iter().find(|p| p.name == pool) else {
+            bail!("no pool named {pool:?}");
+        };
+        let matches: Vec<ServerKey> = p
+            .server
+            .iter()
+            .map(|s| SocketAddr::new(s.address, s.port))
+            .filter(|a| a.to_string() == server || a.ip().to_string() == server)
+            .map(|a| (pool.to_owned(), a))
+            .collect();
+        match matches.len() {
+            1 => Ok(matches[0].clone()),
+            0 => bail!("pool {pool} has no server {server}"),
+            _ => bail!("{server} is ambiguous in pool {pool}: give the port too"),
+        }
+    }
+
+    pub fn drain(&mut self, pool: &str, server: &str, on: bool) -> Result<String> {
+        let key = self.find(pool, server)?;
+        let s = self.servers.get_mut(&key).expect("found");
+        if s.draining == on {
+            return Ok(format!(
+                "{} is already {}",
+                key.1,
+                if on { "draining" } else { "not draining" }
+            ));
+        }
+        s.draining = on;
+        s.drain_started = on.then(Instant::now);
+        info!(pool = %key.0, server = %key.1, "{}", if on { "draining" } else { "drain cancelled" });
+        self.refresh(true);
+        Ok(format!(
+            "{} {}",
+            key.1,
+            if on {
+                "is draining: no new connections, established ones finish"
+            } else {
+                "takes new connections again"
+            }
+        ))
+    }
+
+    pub fn drain_status(&self, pool: &str, server: &str) -> Result<DrainStatus> {
+        let key = self.find(pool, server)?;
+        let s = &self.servers[&key];
+        let live = self
+            .dp
+            .live_flows(&HashSet::from([s.id]))
+            .context("counting open flows")?;
+        let scraped_since = match (s.drain_started, s.reading_at) {
+            (Some(start), Some(at)) => at >= start,
+            _ => false,
+        };
+        Ok(DrainStatus {
+            draining: s.draining,
+            running: s
+                .reading
+                .as_ref()
+                .filter(|_| scraped_since)
+                .map(|r| r.running),
+            flows: live.get(&s.id).copied().unwrap_or(0),
+        })
+    }
+
+    pub fn show(&self, pool: &str) -> Result<PoolView> {
+        let Some(p) = self.config.pool.iter().find(|p| p.name == pool) else {
+            bail!(
+                "no pool named {pool:?} (pools: {})",
+                self.config
+                    .pool
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        };
+        let now = Instant::now();
+        let servers = p
+            .server
+            .iter()
+            .map(|cfg| {
+                let addr = SocketAddr::new(cfg.address, cfg.port);
+                let s = &self.servers[&(p.name.clone(), addr)];
+                ServerRow {
+                    server: addr.to_string(),
+                    running: s.reading.as_ref().map(|r| r.running),
+                    waiting: s.reading.as_ref().map(|r| r.waiting),
+                    kv_mem: s.reading.as_ref().and_then(|r| r.kv_usage),
+                    ttft_ms: s.ttft_ms,
+                    state: state_name(s.state()).into(),
+                    weight: s.decision.weight,
+                    flows: s.now.flows_opened.saturating_sub(s.now.flows_closed),
+                    new_per_s: s.new_per_s,
+                    reason: s.decision.reason.clone(),
+                    dialect: s
+                        .reading
+                        .as_ref()
+                        .map(|r| format!("{:?}", r.dialect).to_lowercase()),
+                    metrics_age_ms: s
+                        .reading_at
+                        .map(|t| now.duration_since(t).as_millis() as u64),
+                    scrape_error: s.scrape_error.clone(),
+                    health: s.health.clone(),
+                }
+            })
+            .collect();
+        Ok(PoolView {
+            pool: p.name.clone(),
+            vip: SocketAddr::new(p.vip, p.port).to_string(),
+            servers,
+        })
+    }
+
+    pub fn counters(&self) -> Result<Vec<(String, u64)>> {
+        Ok(self
+            .dp
+            .counters()?
+            .into_iter()
+            .map(|(c, v): (Counter, u64)| (c.name().to_owned(), v))
+            .collect())
+    }
+
+    /// Answers one control-socket request.
+    pub fn handle(&mut self, request: crate::control::Request) -> Response {
+        use crate::control::Request::*;
+        let result = match request {
+            Show { pool } => self.show(&pool).map(Response::Pool),
+            Drain { pool, server } => self
+                .drain(&pool, &server, true)
+                .map(|message| Response::Done { message }),
+            Undrain { pool, server } => self
+                .drain(&pool, &server, false)
+                .map(|message| Response::Done { message }),
+            DrainStatus { pool, server } => {
+                self.drain_status(&pool, &server).map(Response::DrainStatus)
+            }
+            Counters => self
+                .counters()
+                .map(|counters| Response::Counters { counters }),
+        };
+        result.unwrap_or_else(|e| Response::Error {
+            message: format!("{e:#}"),
+        })
+    }
+}
+
+fn thresholds(pool: &Pool) -> Thresholds {
+    Thresholds {
+        spill_waiting: f64::from(pool.spill_waiting),
+        spill_ttft_ms: f64::from(pool.spill_ttft_ms),
+        kv_high: pool.kv_high,
+    }
+}
+
+pub fn state_name(s: State) -> &'static str {
+    match s {
+        State::Up => "UP",
+        State::Down => "DOWN",
+        State::Draining => "DRAINING",
+    }
+}

@@ -1,0 +1,1135 @@
+//! What an inference server's Prometheus exposition says about its load: pure parsing, no I/O.
+//!
+//! The six dialects of the design brief (section 5), each detected from its metric names.
+//! Names as checked against the servers' own sources:
+//! - vLLM, `vllm/v1/metrics/loggers.py`: gauges `vllm:num_requests_running`,
+//!   `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` ("1 means 100 percent usage"; it
+//!   replaced `vllm:gpu_cache_usage_perc`, deprecated in 0.9), histogram
+//!   `vllm:time_to_first_token_seconds`; labels `model_name`, `engine` (one label set per
+//!   engine core when several run in one server).
+//! - SGLang, `python/sglang/srt/metrics/collector.py` and its production-metrics docs: gauges
+//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage` (used / total
+//!   tokens of the KV pool), histogram `sglang:time_to_first_token_seconds`; labels
+//!   `model_name` and, by version, `tp_rank`, `dp_rank`, `pp_rank`, `engine_type`. By default
+//!   only the first attention-TP rank of each data-parallel rank publishes.
+//! - TGI, the router's `metrics::gauge!` calls: `tgi_batch_current_size`, `tgi_queue_size`; no
+//!   KV gauge, no TTFT histogram. Its exporter renders a gauge only once it has been set, so a
+//!   server that has not batched anything yet may lack them (then: "tgi: no ...").
+//! - llama.cpp, `tools/server/server-task.cpp` (the sdist built on this machine): gauges
+//!   `llamacpp:requests_processing`, `llamacpp:requests_deferred`, no labels, no KV gauge
+//!   (older builds had `llamacpp:kv_cache_usage_ratio`; not read), no TTFT histogram.
+//! - TensorRT-LLM, `tensorrt_llm/metrics/collector.py`: gauges `trtllm_num_requests_running`,
+//!   `trtllm_num_requests_waiting`, `trtllm_kv_cache_utilization` (used / max blocks),
+//!   histogram `trtllm_time_to_first_token_seconds`. `trtllm-serve` answers `/metrics` with JSON
+//!   iteration stats and serves this text on `/prometheus/metrics` (see [`Dialect::metrics_path`]).
+//! - Plain: `inference_requests_running`, `inference_requests_waiting`.
+//!
+//! Nothing is guessed: a missing required signal (running, waiting) is an error, a missing
+//! optional one (KV, TTFT) is `None`, and a value that is not a finite non-negative number is
+//! an error. Text is parsed with `prometheus-parse` 0.2.5, around two of its gaps:
+//! - its name pattern is `\w+`, so it silently drops every sample whose name has a colon,
+//!   i.e. all of vLLM, SGLang and llama.cpp: colons in names are swapped for a stand-in
+//!   letter before parsing and restored after;
+//! - it silently skips lines it cannot read: every line is checked first, and one that is not
+//!   a comment or a readable sample fails the whole exposition, as it would in Prometheus.
+//!   (Its label reading is naive, e.g. a '}' inside a label value makes the line unreadable:
+//!   such an exposition is refused, never half read. Labels are not needed here anyway: every
+//!   label set of a metric counts.)
+
+use std::{collections::HashMap, fmt, str::FromStr};
+
+use prometheus_parse::{LineInfo, Scrape, Value};
+
+/// The metric dialects we understand, detected from metric names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dialect {
+    Vllm,
+    Sglang,
+    Tgi,
+    Llamacpp,
+    Trtllm,
+    Plain,
+}
+
+/// What one exposition says about a server's load. `None` = the server does not publish it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reading {
+    pub dialect: Dialect,
+    pub running: f64,
+    pub waiting: f64,
+    /// KV-cache memory used, 0..=1.
+    pub kv_usage: Option<f64>,
+    /// Cumulative TTFT histogram totals (seconds, observations), if the dialect has one.
+    pub ttft: Option<TtftTotals>,
+}
+
+/// A TTFT histogram's cumulative `_sum` (seconds) and `_count`, over all its label sets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TtftTotals {
+    pub sum_s: f64,
+    pub count: f64,
+}
+
+/// Why an exposition gives no reading. Each message is one line.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DialectError {
+    #[error("not Prometheus text: empty body")]
+    Empty,
+    #[error(
+        "not Prometheus text: the body is JSON (trtllm-serve answers /metrics with JSON; \
+         its Prometheus text is on /prometheus/metrics: set dialect = \"trtllm\")"
+    )]
+    Json,
+    #[error("not Prometheus text: line {line}: {reason}: {excerpt:?}")]
+    Syntax {
+        line: usize,
+        reason: &'static str,
+        excerpt: String,
+    },
+    #[error("not Prometheus text: no samples")]
+    NoSamples,
+    #[error("no known metric dialect: expected one of {}", expected_names())]
+    UnknownDialect,
+    #[error("metrics of several dialects ({0}, {1}): set `dialect` to choose one")]
+    Ambiguous(Dialect, Dialect),
+    #[error("{dialect}: no {metric}")]
+    Missing {
+        dialect: Dialect,
+        metric: &'static str,
+    },
+    #[error("{dialect}: {metric} = {value}: {why}")]
+    BadValue {
+        dialect: Dialect,
+        metric: String,
+        value: f64,
+        why: &'static str,
+    },
+}
+
+/// A KV fraction this far above 1 is taken as 1 (rounding by the server); beyond, an error.
+pub const KV_TOLERANCE: f64 = 0.01;
+
+/// The names each dialect is read from.
+struct Spec {
+    dialect: Dialect,
+    /// Any metric name starting with this marks the dialect; `None`: only `running`/`waiting` do.
+    prefix: Option<&'static str>,
+    running: &'static str,
+    waiting: &'static str,
+    /// KV-cache fraction gauges, preferred first.
+    kv: &'static [&'static str],
+    /// TTFT histogram (base name, without `_sum`/`_count`/`_bucket`).
+    ttft: Option<&'static str>,
+}
+
+const SPECS: [Spec; 6] = [
+    Spec {
+        dialect: Dialect::Vllm,
+        prefix: Some("vllm:"),
+        running: "vllm:num_requests_running",
+        waiting: "vllm:num_requests_waiting",
+        kv: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        ttft: Some("vllm:time_to_first_token_seconds"),
+    },
+    Spec {
+        dialect: Dialect::Sglang,
+        prefix: Some("sglang:"),
+        running: "sglang:num_running_reqs",
+        waiting: "sglang:num_queue_reqs",
+        kv: &["sglang:token_usage"],
+        ttft: Some("sglang:time_to_first_token_seconds"),
+    },
+    Spec {
+        dialect: Dialect::Tgi,
+        prefix: Some("tgi_"),
+        running: "tgi_batch_current_size",
+        waiting: "tgi_queue_size",
+        kv: &[],
+        ttft: None,
+    },
+    Spec {
+        dialect: Dialect::Llamacpp,
+        prefix: Some("llamacpp:"),
+        running: "llamacpp:requests_processing",
+        waiting: "llamacpp:requests_deferred",
+        kv: &[],
+        ttft: None,
+    },
+    Spec {
+        dialect: Dialect::Trtllm,
+        prefix: Some("trtllm_"),
+        running: "trtllm_num_requests_running",
+        waiting: "trtllm_num_requests_waiting",
+        kv: &["trtllm_kv_cache_utilization"],
+        ttft: Some("trtllm_time_to_first_token_seconds"),
+    },
+    // "inference_" is too generic a prefix to claim a server: only the two names count.
+    Spec {
+        dialect: Dialect::Plain,
+        prefix: None,
+        running: "inference_requests_running",
+        waiting: "inference_requests_waiting",
+        kv: &[],
+        ttft: None,
+    },
+];
+
+impl Dialect {
+    pub const ALL: [Dialect; 6] = [
+        Dialect::Vllm,
+        Dialect::Sglang,
+        Dialect::Tgi,
+        Dialect::Llamacpp,
+        Dialect::Trtllm,
+        Dialect::Plain,
+    ];
+
+    /// The name used in the configuration and in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Vllm => "vllm",
+            Dialect::Sglang => "sglang",
+            Dialect::Tgi => "tgi",
+            Dialect::Llamacpp => "llamacpp",
+            Dialect::Trtllm => "trtllm",
+            Dialect::Plain => "plain",
+        }
+    }
+
+    /// Where a server of this dialect publishes Prometheus text. All on `/metrics` except
+    /// `trtllm-serve`, whose `/metrics` is JSON (its `openai_server.py` mounts the Prometheus
+    /// app on `/prometheus/metrics`).
+    pub fn metrics_path(self) -> &'static str {
+        match self {
+            Dialect::Trtllm => "/prometheus/metrics",
+            _ => "/metrics",
+        }
+    }
+
+    fn spec(self) -> &'static Spec {
+        SPECS
+            .iter()
+            .find(|s| s.dialect == self)
+            .expect("every dialect has a spec")
+    }
+}
+
+impl fmt::Display for Dialect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Dialect {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Dialect::ALL
+            .into_iter()
+            .find(|d| d.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Dialect::ALL.iter().map(|d| d.as_str()).collect();
+                format!("unknown dialect {s:?} (one of {})", names.join(", "))
+            })
+    }
+}
+
+fn expected_names() -> String {
+    let names: Vec<_> = SPECS.iter().map(|s| s.running).collect();
+    names.join(", ")
+}
+
+/// Parses a Prometheus text exposition. `forced` skips detection.
+pub fn parse(body: &str, forced: Option<Dialect>) -> Result<Reading, DialectError> {
+    let samples = samples(body)?;
+    let dialect = match forced {
+        Some(d) => d,
+        None => detect(&samples)?,
+    };
+    read(dialect.spec(), &samples)
+}
+
+/// Mean TTFT in ms over the observations between two readings; None when nothing was
+/// observed in between, or the counters went backwards (server restart).
+pub fn recent_ttft_ms(prev: Option<TtftTotals>, cur: Option<TtftTotals>) -> Option<f64> {
+    let (prev, cur) = (prev?, cur?);
+    let observations = cur.count - prev.count;
+    let seconds = cur.sum_s - prev.sum_s;
+    // Comparisons are false for NaN, so a NaN anywhere gives None too.
+    if observations > 0.0 && seconds >= 0.0 {
+        Some(seconds / observations * 1000.0).filter(|ms| ms.is_finite())
+    } else {
+        None
+    }
+}
+
+/// Stands in for ':' in metric names while prometheus-parse reads them: a letter (so `\w`
+/// matches it) that no valid metric name can contain (they are ASCII).
+const COLON: char = 'ː'; // U+02D0 MODIFIER LETTER TRIANGULAR COLON
+
+/// Every sample of the exposition, by metric name (colons restored).
+type Samples = HashMap<String, Vec<prometheus_parse::Sample>>;
+
+fn samples(body: &str) -> Result<Samples, DialectError> {
+    let text = body.trim_start_matches('\u{feff}');
+    if text.trim().is_empty() {
+        return Err(DialectError::Empty);
+    }
+    if text.trim_start().starts_with(['{', '[']) {
+        return Err(DialectError::Json);
+    }
+    let mut lines = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = protect_colons(line);
+        check_line(&line).map_err(|reason| DialectError::Syntax {
+            line: i + 1,
+            reason,
+            excerpt: excerpt(&line.replace(COLON, ":")),
+        })?;
+        lines.push(Ok(line));
+    }
+    let scrape = Scrape::parse(lines.into_iter()).map_err(|_| DialectError::NoSamples)?;
+    let mut by_name = Samples::new();
+    for s in scrape.samples {
+        by_name
+            .entry(s.metric.replace(COLON, ":"))
+            .or_default()
+            .push(s);
+    }
+    if by_name.is_empty() {
+        return Err(DialectError::NoSamples);
+    }
+    Ok(by_name)
+}
+
+/// A line prometheus-parse will read as it is meant: blank, a comment, or a sample whose
+/// value is a number. Anything else it would skip without a word.
+fn check_line(line: &str) -> Result<(), &'static str> {
+    let t = line.trim();
+    if t.is_empty() || t.starts_with('#') {
+        return Ok(());
+    }
+    match LineInfo::parse(t) {
+        LineInfo::Sample { value, .. } => {
+            // prometheus-parse's own reading of a value ("NaN" in any case, else Rust's f64).
+            if value.eq_ignore_ascii_case("nan") || value.parse::<f64>().is_ok() {
+                Ok(())
+            } else {
+                Err("the value is not a number")
+            }
+        }
+        _ => Err("not a sample"),
+    }
+}
+
+/// Replaces ':' in the metric name of a sample line or of a `# HELP`/`# TYPE` line, and drops
+/// an empty label set (`name{} 1`), which prometheus-parse does not read either.
+fn protect_colons(line: &str) -> String {
+    let (head, rest) = split_indent(line);
+    if let Some(after_hash) = rest.strip_prefix('#') {
+        // "#", spaces, keyword, spaces, name, rest.
+        let (sp1, after_sp1) = split_indent(after_hash);
+        let kw_len = after_sp1
+            .find(char::is_whitespace)
+            .unwrap_or(after_sp1.len());
+        let (kw, after_kw) = after_sp1.split_at(kw_len);
+        if kw != "HELP" && kw != "TYPE" {
+            return line.to_string();
+        }
+        let (sp2, after_sp2) = split_indent(after_kw);
+        let (name, tail) = split_name(after_sp2);
+        return format!(
+            "{head}#{sp1}{kw}{sp2}{}{tail}",
+            name.replace(':', COLON.encode_utf8(&mut [0; 4]))
+        );
+    }
+    let (name, tail) = split_name(rest);
+    let tail = tail.strip_prefix("{}").unwrap_or(tail);
+    format!(
+        "{head}{}{tail}",
+        name.replace(':', COLON.encode_utf8(&mut [0; 4]))
+    )
+}
+
+fn split_indent(s: &str) -> (&str, &str) {
+    let n = s.len() - s.trim_start().len();
+    s.split_at(n)
+}
+
+/// A metric name (`[a-zA-Z0-9_:]*`) at the start of `s`, and the rest.
+fn split_name(s: &str) -> (&str, &str) {
+    let n = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .unwrap_or(s.len());
+    s.split_at(n)
+}
+
+fn excerpt(line: &str) -> String {
+    const MAX: usize = 60;
+    let t = line.trim();
+    match t.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}...", &t[..i]),
+        None => t.to_string(),
+    }
+}
+
+/// The one dialect whose names appear; none or several is an error.
+fn detect(samples: &Samples) -> Result<Dialect, DialectError> {
+    let mut found: Option<Dialect> = None;
+    for spec in &SPECS {
+        let present = samples.keys().any(|name| match spec.prefix {
+            Some(p) => name.starts_with(p),
+            None => name == spec.running || name == spec.waiting,
+        });
+        if present {
+            if let Some(first) = found {
+                return Err(DialectError::Ambiguous(first, spec.dialect));
+            }
+            found = Some(spec.dialect);
+        }
+    }
+    found.ok_or(DialectError::UnknownDialect)
+}
+
+fn read(spec: &Spec, samples: &Samples) -> Result<Reading, DialectError> {
+    let d = spec.dialect;
+    // Several label sets (engines, data-parallel ranks, models) are parts of one server: the
+    // requests add up.
+    let running = sum(d, spec.running, required(d, spec.running, samples)?)?;
+    let waiting = sum(d, spec.waiting, required(d, spec.waiting, samples)?)?;
+
+    let mut kv_usage = None;
+    let kv = spec
+        .kv
+        .iter()
+        .map(|&name| (name, scalars(samples, name)))
+        .find(|(_, values)| !values.is_empty());
+    if let Some((name, values)) = kv {
+        // Each engine has its own KV cache, and the fullest one is what saturates first
+        // (it starts preempting or queueing), so the server's figure is the maximum, not a
+        // sum or a mean.
+        let mut max = 0.0_f64;
+        for v in values {
+            check(d, name, v)?;
+            if v > 1.0 + KV_TOLERANCE {
+                return Err(bad(d, name, v, "a fraction above 1"));
+            }
+            max = max.max(v);
+        }
+        kv_usage = Some(max.min(1.0));
+    }
+
+    let ttft = match spec.ttft {
+        Some(family) => ttft_totals(d, family, samples)?,
+        None => None,
+    };
+
+    Ok(Reading {
+        dialect: d,
+        running,
+        waiting,
+        kv_usage,
+        ttft,
+    })
+}
+
+fn required(d: Dialect, name: &'static str, samples: &Samples) -> Result<Vec<f64>, DialectError> {
+    let values = scalars(samples, name);
+    if values.is_empty() {
+        return Err(DialectError::Missing {
+            dialect: d,
+            metric: name,
+        });
+    }
+    Ok(values)
+}
+
+/// The values of a counter, gauge or untyped metric, one per label set.
+fn scalars(samples: &Samples, name: &str) -> Vec<f64> {
+    samples
+        .get(name)
+        .into_iter()
+        .flatten()
+        .filter_map(|s| match s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => Some(v),
+            Value::Histogram(_) | Value::Summary(_) => None,
+        })
+        .collect()
+}
+
+fn sum(d: Dialect, name: &str, values: Vec<f64>) -> Result<f64, DialectError> {
+    let mut total = 0.0;
+    for v in values {
+        check(d, name, v)?;
+        total += v;
+    }
+    Ok(total)
+}
+
+fn check(d: Dialect, name: &str, v: f64) -> Result<(), DialectError> {
+    if v.is_nan() {
+        Err(bad(d, name, v, "not a number"))
+    } else if v.is_infinite() {
+        Err(bad(d, name, v, "infinite"))
+    } else if v < 0.0 {
+        Err(bad(d, name, v, "negative"))
+    } else {
+        Ok(())
+    }
+}
+
+fn bad(dialect: Dialect, metric: &str, value: f64, why: &'static str) -> DialectError {
+    DialectError::BadValue {
+        dialect,
+        metric: metric.to_string(),
+        value,
+        why,
+    }
+}
+
+/// A histogram's totals over all its label sets. prometheus-parse 0.2.5 groups the
+/// `_bucket` lines of a `# TYPE ... histogram` into one `Value::Histogram` per label set
+/// (bucket counts only, no sum), and leaves `_sum` and `_count` as separate untyped samples;
+/// without the TYPE line the buckets stay untyped `_bucket` samples. So: the sum from `_sum`,
+/// the count from `_count`, or failing that from the `+Inf` buckets in either form.
+fn ttft_totals(
+    d: Dialect,
+    family: &str,
+    samples: &Samples,
+) -> Result<Option<TtftTotals>, DialectError> {
+    let sum_name = format!("{family}_sum");
+    let count_name = format!("{family}_count");
+    let sums = scalars(samples, &sum_name);
+    let mut counts = scalars(samples, &count_name);
+    let mut count_metric = count_name;
+    if counts.is_empty() {
+        counts = inf_buckets(samples, family);
+        count_metric = format!("{family}_bucket{{le=\"+Inf\"}}");
+    }
+    if sums.is_empty() || counts.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(TtftTotals {
+        sum_s: sum(d, &sum_name, sums)?,
+        count: sum(d, &count_metric, counts)?,
+    }))
+}
+
+fn inf_buckets(samples: &Samples, family: &str) -> Vec<f64> {
+    let grouped = samples.get(family).into_iter().flatten().filter_map(|s| {
+        let Value::Histogram(buckets) = &s.value else {
+            return None;
+        };
+        buckets
+            .iter()
+            .find(|b| b.less_than == f64::INFINITY)
+            .map(|b| b.count)
+    });
+    let loose = samples
+        .get(&format!("{family}_bucket"))
+        .into_iter()
+        .flatten()
+        .filter(|s| {
+            s.labels
+                .get("le")
+                .is_some_and(|le| le.parse::<f64>() == Ok(f64::INFINITY))
+        })
+        .filter_map(|s| match s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => Some(v),
+            _ => None,
+        });
+    grouped.chain(loose).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// vLLM 0.10-style V1 server with two engine cores (data parallel), as prometheus_client
+    /// prints it: HELP/TYPE lines, `_created` samples, process and python metrics around.
+    const VLLM_TWO_ENGINES: &str = r#"# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12934.0
+python_gc_objects_collected_total{generation="1"} 1771.0
+python_gc_objects_collected_total{generation="2"} 1123.0
+# HELP python_info Python platform information
+# TYPE python_info gauge
+python_info{implementation="CPython",major="3",minor="12",patchlevel="3",version="3.12.3"} 1.0
+# HELP process_resident_memory_bytes Resident memory size in bytes.
+# TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes 1.823571968e+09
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.1
+vllm:gpu_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.1
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.4211
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.8125
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 183224.0
+vllm:prompt_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 171102.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7528427346414855e+09
+vllm:prompt_tokens_created{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7528427346415e+09
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 90.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 6.5
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 50.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="2560.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 60.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 60.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 60.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.5
+# HELP vllm:time_to_first_token_seconds_created Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds_created gauge
+vllm:time_to_first_token_seconds_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7528427346418e+09
+vllm:time_to_first_token_seconds_created{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7528427346419e+09
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27689",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0
+# HELP http_requests_total Total number of requests by method, status and handler.
+# TYPE http_requests_total counter
+http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1804.0
+"#;
+
+    /// vLLM 0.6 (V0): no engine label, the old KV gauge only.
+    const VLLM_V0: &str = r#"# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="/models/llama-2-7b"} 3.0
+# HELP vllm:num_requests_swapped Number of requests swapped to CPU.
+# TYPE vllm:num_requests_swapped gauge
+vllm:num_requests_swapped{model_name="/models/llama-2-7b"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="/models/llama-2-7b"} 1.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="/models/llama-2-7b"} 0.25
+# HELP vllm:cpu_cache_usage_perc CPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:cpu_cache_usage_perc gauge
+vllm:cpu_cache_usage_perc{model_name="/models/llama-2-7b"} 0.0
+"#;
+
+    /// SGLang, as in its production-metrics docs (`_sum` before the buckets).
+    const SGLANG: &str = r#"# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.128902e+06
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.557572e+06
+# HELP sglang:token_usage The token usage
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.28
+# HELP sglang:cache_hit_rate The cache hit rate
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.007507552643049313
+# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_sum{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.3518979474117756e+06
+sglang:time_to_first_token_seconds_bucket{le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+sglang:time_to_first_token_seconds_bucket{le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+sglang:time_to_first_token_seconds_bucket{le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.632e+06
+sglang:time_to_first_token_seconds_count{model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.632e+06
+# HELP sglang:num_running_reqs The number of running requests
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 162.0
+# HELP sglang:num_used_tokens The number of used tokens
+# TYPE sglang:num_used_tokens gauge
+sglang:num_used_tokens{model_name="meta-llama/Llama-3.1-8B-Instruct"} 123859.0
+# HELP sglang:gen_throughput The generate throughput (token/s)
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="meta-llama/Llama-3.1-8B-Instruct"} 86.50814177726902
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2826.0
+"#;
+
+    /// TGI's router (metrics-exporter-prometheus): no colons, no labels on the gauges.
+    const TGI: &str = r#"# HELP tgi_request_count Total number of requests received
+# TYPE tgi_request_count counter
+tgi_request_count 412
+# HELP tgi_request_success Number of successful requests
+# TYPE tgi_request_success counter
+tgi_request_success 401
+# HELP tgi_queue_size Current queue size
+# TYPE tgi_queue_size gauge
+tgi_queue_size 6
+# HELP tgi_batch_current_size Current batch size
+# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 32
+# HELP tgi_batch_current_max_tokens Maximum tokens for the current batch
+# TYPE tgi_batch_current_max_tokens gauge
+tgi_batch_current_max_tokens 18432
+# HELP tgi_request_duration Total time spent processing the request (e2e latency)
+# TYPE tgi_request_duration histogram
+tgi_request_duration_bucket{le="0.01"} 0
+tgi_request_duration_bucket{le="1"} 12
+tgi_request_duration_bucket{le="+Inf"} 401
+tgi_request_duration_sum 2405.1123
+tgi_request_duration_count 401
+"#;
+
+    /// llama.cpp's server-task.cpp, verbatim format (no labels; C++ stream formatting).
+    const LLAMACPP: &str = "\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 4211
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 1.23457e+06
+# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 3.712
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 9102
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 1134.4
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 98.7
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 4
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 3
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 3.5
+";
+
+    /// trtllm-serve's /prometheus/metrics (prometheus_client in multiprocess mode, plus the
+    /// FastAPI instrumentator's http metrics).
+    const TRTLLM: &str = r#"# HELP http_requests_total Total number of requests by method, status and handler.
+# TYPE http_requests_total counter
+http_requests_total{handler="/v1/chat/completions",method="POST",status="200"} 96.0
+# HELP trtllm_time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE trtllm_time_to_first_token_seconds histogram
+trtllm_time_to_first_token_seconds_sum{engine_type="undefined",model_name="undefined"} 24.0
+trtllm_time_to_first_token_seconds_bucket{engine_type="undefined",le="0.001",model_name="undefined"} 0.0
+trtllm_time_to_first_token_seconds_bucket{engine_type="undefined",le="0.25",model_name="undefined"} 80.0
+trtllm_time_to_first_token_seconds_bucket{engine_type="undefined",le="+Inf",model_name="undefined"} 96.0
+trtllm_time_to_first_token_seconds_count{engine_type="undefined",model_name="undefined"} 96.0
+# HELP trtllm_kv_cache_utilization KV cache utilization
+# TYPE trtllm_kv_cache_utilization gauge
+trtllm_kv_cache_utilization{engine_type="undefined",model_name="undefined"} 0.55
+# HELP trtllm_num_requests_running Number of active requests
+# TYPE trtllm_num_requests_running gauge
+trtllm_num_requests_running{engine_type="undefined",model_name="undefined"} 12.0
+# HELP trtllm_num_requests_waiting Number of queued requests
+# TYPE trtllm_num_requests_waiting gauge
+trtllm_num_requests_waiting{engine_type="undefined",model_name="undefined"} 0.0
+"#;
+
+    const PLAIN: &str = "\
+# HELP inference_requests_running Requests being generated.
+# TYPE inference_requests_running gauge
+inference_requests_running 2
+# HELP inference_requests_waiting Requests queued.
+# TYPE inference_requests_waiting gauge
+inference_requests_waiting 0
+# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 12.5
+";
+
+    fn ok(body: &str) -> Reading {
+        parse(body, None).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn err(body: &str) -> DialectError {
+        parse(body, None).expect_err("should not parse")
+    }
+
+    #[test]
+    fn prometheus_parse_drops_colon_names_by_itself() {
+        // The reason for protect_colons: if this starts failing, the crate was fixed.
+        let raw = "# TYPE vllm:x gauge\nvllm:x 1\nplain_y 2\n";
+        let s = Scrape::parse(raw.lines().map(|l| Ok(l.to_string()))).unwrap();
+        let names: Vec<_> = s.samples.iter().map(|s| s.metric.as_str()).collect();
+        assert_eq!(names, ["plain_y"]);
+        assert!(COLON.is_alphabetic() && !COLON.is_ascii());
+    }
+
+    #[test]
+    fn vllm_several_engines() {
+        let r = ok(VLLM_TWO_ENGINES);
+        assert_eq!(r.dialect, Dialect::Vllm);
+        assert_eq!(r.running, 12.0); // 7 + 5
+        assert_eq!(r.waiting, 2.0);
+        // The fuller engine, and the new gauge rather than the deprecated one.
+        assert_eq!(r.kv_usage, Some(0.8125));
+        assert_eq!(
+            r.ttft,
+            Some(TtftTotals {
+                sum_s: 10.0,
+                count: 160.0
+            })
+        );
+    }
+
+    #[test]
+    fn vllm_v0_old_kv_gauge_no_ttft() {
+        let r = ok(VLLM_V0);
+        assert_eq!(r.dialect, Dialect::Vllm);
+        assert_eq!((r.running, r.waiting), (3.0, 1.0));
+        assert_eq!(r.kv_usage, Some(0.25));
+        assert_eq!(r.ttft, None);
+    }
+
+    #[test]
+    fn sglang() {
+        let r = ok(SGLANG);
+        assert_eq!(r.dialect, Dialect::Sglang);
+        assert_eq!((r.running, r.waiting), (162.0, 2826.0));
+        assert_eq!(r.kv_usage, Some(0.28));
+        let t = r.ttft.unwrap();
+        assert_eq!(t.count, 7.632e6);
+        assert!((t.sum_s - 2.3518979474117756e6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn tgi() {
+        let r = ok(TGI);
+        assert_eq!(
+            r,
+            Reading {
+                dialect: Dialect::Tgi,
+                running: 32.0,
+                waiting: 6.0,
+                kv_usage: None,
+                ttft: None
+            }
+        );
+    }
+
+    #[test]
+    fn llamacpp() {
+        let r = ok(LLAMACPP);
+        assert_eq!(
+            r,
+            Reading {
+                dialect: Dialect::Llamacpp,
+                running: 4.0,
+                waiting: 3.0,
+                kv_usage: None,
+                ttft: None
+            }
+        );
+    }
+
+    #[test]
+    fn trtllm() {
+        let r = ok(TRTLLM);
+        assert_eq!(r.dialect, Dialect::Trtllm);
+        assert_eq!((r.running, r.waiting), (12.0, 0.0));
+        assert_eq!(r.kv_usage, Some(0.55));
+        assert_eq!(
+            r.ttft,
+            Some(TtftTotals {
+                sum_s: 24.0,
+                count: 96.0
+            })
+        );
+    }
+
+    #[test]
+    fn plain() {
+        let r = ok(PLAIN);
+        assert_eq!(
+            r,
+            Reading {
+                dialect: Dialect::Plain,
+                running: 2.0,
+                waiting: 0.0,
+                kv_usage: None,
+                ttft: None
+            }
+        );
+    }
+
+    #[test]
+    fn crlf_bom_indent_and_empty_label_set() {
+        let body = "\u{feff}# TYPE llamacpp:requests_processing gauge\r\n  llamacpp:requests_processing{} 1\r\nllamacpp:requests_deferred 2 1700000000000\r\n";
+        let r = ok(body);
+        assert_eq!((r.running, r.waiting), (1.0, 2.0));
+    }
+
+    #[test]
+    fn forced_dialect() {
+        // Forcing the right one reads it; forcing another says what is missing.
+        assert_eq!(
+            parse(SGLANG, Some(Dialect::Sglang)).unwrap().dialect,
+            Dialect::Sglang
+        );
+        assert_eq!(
+            parse(SGLANG, Some(Dialect::Vllm)).unwrap_err().to_string(),
+            "vllm: no vllm:num_requests_running"
+        );
+        // Forcing settles a body that speaks two dialects.
+        let both = format!("{VLLM_V0}{PLAIN}");
+        assert_eq!(
+            err(&both),
+            DialectError::Ambiguous(Dialect::Vllm, Dialect::Plain)
+        );
+        let r = parse(&both, Some(Dialect::Plain)).unwrap();
+        assert_eq!((r.dialect, r.running), (Dialect::Plain, 2.0));
+        let r = parse(&both, Some(Dialect::Vllm)).unwrap();
+        assert_eq!((r.dialect, r.running), (Dialect::Vllm, 3.0));
+    }
+
+    #[test]
+    fn missing_required_metric() {
+        let body: String = VLLM_V0
+            .lines()
+            .filter(|l| !l.contains("vllm:num_requests_waiting"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let e = err(&body);
+        assert_eq!(e.to_string(), "vllm: no vllm:num_requests_waiting");
+        // Declared but without a sample is missing too.
+        let e = err("# HELP tgi_queue_size Current queue size\n# TYPE tgi_queue_size gauge\ntgi_batch_current_size 1\n");
+        assert_eq!(e.to_string(), "tgi: no tgi_queue_size");
+    }
+
+    #[test]
+    fn no_known_dialect() {
+        let e = err("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3\n");
+        assert_eq!(e, DialectError::UnknownDialect);
+        let msg = e.to_string();
+        assert!(msg.starts_with("no known metric dialect: expected one of vllm:num_requests_running, sglang:num_running_reqs,"), "{msg}");
+        assert!(msg.contains("inference_requests_running"), "{msg}");
+    }
+
+    #[test]
+    fn empty_and_comment_only_bodies() {
+        assert_eq!(err(""), DialectError::Empty);
+        assert_eq!(err(" \n\r\n\t\n"), DialectError::Empty);
+        assert_eq!(
+            err("# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"),
+            DialectError::NoSamples
+        );
+        assert_eq!(
+            DialectError::NoSamples.to_string(),
+            "not Prometheus text: no samples"
+        );
+    }
+
+    #[test]
+    fn garbage() {
+        let html = "<!DOCTYPE html>\n<html><body><h1>404 Not Found</h1></body></html>\n";
+        let e = err(html);
+        assert_eq!(
+            e.to_string(),
+            "not Prometheus text: line 1: not a sample: \"<!DOCTYPE html>\""
+        );
+        let e = err("hello world\n");
+        assert_eq!(
+            e.to_string(),
+            "not Prometheus text: line 1: the value is not a number: \"hello world\""
+        );
+        assert_eq!(
+            err("{\"iter\": 12, \"numActiveRequests\": 3}"),
+            DialectError::Json
+        );
+        assert_eq!(err("[{\"iter\": 12}]"), DialectError::Json);
+        // A good exposition with one bad line is bad as a whole (as in Prometheus).
+        let e = err(&format!("{PLAIN}inference_requests_waiting three\n"));
+        assert!(
+            matches!(
+                e,
+                DialectError::Syntax {
+                    line: 10,
+                    reason: "the value is not a number",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Long lines are cut in the message.
+        let long = format!("{}\n", "x".repeat(500));
+        let msg = err(&long).to_string();
+        assert!(msg.len() < 140 && msg.ends_with("...\""), "{msg}");
+    }
+
+    #[test]
+    fn truncated_body() {
+        // Cut in a name, in the labels, or right after the name: the last line is not a sample.
+        let cut_at = |needle: &str, extra: usize| {
+            let i = VLLM_TWO_ENGINES.find(needle).unwrap() + extra;
+            VLLM_TWO_ENGINES[..i].to_string()
+        };
+        for body in [
+            cut_at("vllm:num_requests_waiting{engine=\"1\"", 20),
+            cut_at("vllm:num_requests_waiting{engine=\"1\"", 40),
+            cut_at("vllm:num_requests_waiting{engine=\"1\"", 25),
+        ] {
+            let e = err(&body);
+            assert!(matches!(e, DialectError::Syntax { .. }), "{body:?}: {e}");
+            let msg = e.to_string();
+            assert!(msg.contains("vllm:num_requests_wa"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn bad_values() {
+        let plain = |running: &str| {
+            format!("inference_requests_running {running}\ninference_requests_waiting 0\n")
+        };
+        for (v, why) in [
+            ("NaN", "not a number"),
+            ("nan", "not a number"),
+            ("+Inf", "infinite"),
+            ("-Inf", "infinite"),
+            ("-1", "negative"),
+        ] {
+            match err(&plain(v)) {
+                DialectError::BadValue {
+                    dialect: Dialect::Plain,
+                    metric,
+                    why: w,
+                    ..
+                } => {
+                    assert_eq!((metric.as_str(), w), ("inference_requests_running", why));
+                }
+                e => panic!("{v}: {e}"),
+            }
+        }
+        assert_eq!(
+            err(&plain("-1")).to_string(),
+            "plain: inference_requests_running = -1: negative"
+        );
+        assert_eq!(
+            err(&plain("NaN")).to_string(),
+            "plain: inference_requests_running = NaN: not a number"
+        );
+        // Optional signals are checked as strictly as required ones.
+        let kv_nan = VLLM_V0.replace(
+            "usage_perc{model_name=\"/models/llama-2-7b\"} 0.25",
+            "usage_perc{model_name=\"/models/llama-2-7b\"} NaN",
+        );
+        assert_eq!(
+            err(&kv_nan).to_string(),
+            "vllm: vllm:gpu_cache_usage_perc = NaN: not a number"
+        );
+        let ttft_neg = TRTLLM.replace("} 24.0", "} -24.0");
+        assert_eq!(
+            err(&ttft_neg).to_string(),
+            "trtllm: trtllm_time_to_first_token_seconds_sum = -24: negative"
+        );
+        // A bad value in an unrelated metric is none of our business.
+        let other = format!("{PLAIN}some_ratio NaN\nsome_other -3\n");
+        assert_eq!(ok(&other).running, 2.0);
+    }
+
+    #[test]
+    fn kv_above_one() {
+        let kv = |v: &str| TRTLLM.replace("} 0.55", &format!("}} {v}"));
+        assert_eq!(
+            err(&kv("1.5")).to_string(),
+            "trtllm: trtllm_kv_cache_utilization = 1.5: a fraction above 1"
+        );
+        // A percentage where a fraction belongs is refused, not divided by 100.
+        assert!(matches!(err(&kv("55")), DialectError::BadValue { .. }));
+        // Rounding just above 1 is 1.
+        assert_eq!(ok(&kv("1.004")).kv_usage, Some(1.0));
+        assert_eq!(ok(&kv("1")).kv_usage, Some(1.0));
+        assert_eq!(ok(&kv("0")).kv_usage, Some(0.0));
+    }
+
+    #[test]
+    fn ttft_histogram_in_other_shapes() {
+        // No TYPE line: the buckets stay loose `_bucket` samples; `_sum`/`_count` still count.
+        let untyped: String = TRTLLM
+            .lines()
+            .filter(|l| !l.starts_with("# TYPE trtllm_time_to_first_token_seconds"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_eq!(
+            ok(&untyped).ttft,
+            Some(TtftTotals {
+                sum_s: 24.0,
+                count: 96.0
+            })
+        );
+        // No `_count`: the +Inf bucket is the count, typed or not.
+        let no_count = |body: &str| -> String {
+            body.lines()
+                .filter(|l| !l.contains("_seconds_count"))
+                .map(|l| format!("{l}\n"))
+                .collect()
+        };
+        assert_eq!(ok(&no_count(TRTLLM)).ttft.unwrap().count, 96.0);
+        assert_eq!(ok(&no_count(&untyped)).ttft.unwrap().count, 96.0);
+        assert_eq!(ok(&no_count(VLLM_TWO_ENGINES)).ttft.unwrap().count, 160.0);
+        // No `_sum`: no mean can be had.
+        let no_sum: String = TRTLLM
+            .lines()
+            .filter(|l| !l.contains("_seconds_sum"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_eq!(ok(&no_sum).ttft, None);
+    }
+
+    #[test]
+    fn ttft_delta() {
+        let t = |sum_s, count| Some(TtftTotals { sum_s, count });
+        // 10 new observations taking 2.5 s in all: 250 ms each.
+        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(12.5, 110.0)), Some(250.0));
+        // Nothing observed in between.
+        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(10.0, 100.0)), None);
+        // Counters went backwards: the server restarted.
+        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(0.5, 3.0)), None);
+        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(9.0, 120.0)), None);
+        // Nothing to compare with.
+        assert_eq!(recent_ttft_ms(None, t(1.0, 1.0)), None);
+        assert_eq!(recent_ttft_ms(t(1.0, 1.0), None), None);
+        assert_eq!(recent_ttft_ms(t(f64::NAN, 1.0), t(2.0, 2.0)), None);
+        // Through parse: two scrapes of one vLLM server.
+        let before = ok(VLLM_TWO_ENGINES).ttft;
+        let after = ok(&VLLM_TWO_ENGINES
+            .replace(
+                "_count{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 100.0",
+                "_count{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 104.0",
+            )
+            .replace("} 6.5", "} 7.7"))
+        .ttft;
+        let ms = recent_ttft_ms(before, after).unwrap();
+        assert!((ms - 300.0).abs() < 1e-9, "{ms}");
+    }
+
+    #[test]
+    fn dialect_names() {
+        for d in Dialect::ALL {
+            assert_eq!(d.as_str().parse::<Dialect>(), Ok(d));
+            assert_eq!(d.to_string(), d.as_str());
+            let json = serde_json::to_string(&d).unwrap();
+            assert_eq!(json, format!("\"{d}\""));
+            assert_eq!(serde_json::from_str::<Dialect>(&json).unwrap(), d);
+        }
+        assert!("vLLM".parse::<Dialect>().is_err());
+        assert_eq!(Dialect::Trtllm.metrics_path(), "/prometheus/metrics");
+        assert_eq!(Dialect::Vllm.metrics_path(), "/metrics");
+    }
+}

@@ -1,0 +1,170 @@
+//! Health checks that test the model: a one-token completion with a short timeout. A server
+//! that answers `/health` but cannot generate is not healthy; a server that is merely busy
+//! is not dead, which is why a failed check on a server with a queue counts as busy.
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+/// The result of one check, as the state machine sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    Failed,
+    /// Failed while the server reported a queue: no evidence either way.
+    Busy,
+}
+
+/// A transition worth logging and acting on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    WentDown,
+    CameUp,
+}
+
+/// Consecutive results: `fall` failures in a row take a server down, `rise` successes in a
+/// row bring it back. A server starts up, so that a fresh agent routes at once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Track {
+    pub down: bool,
+    fails: u32,
+    oks: u32,
+}
+
+impl Track {
+    pub fn record(&mut self, outcome: Outcome, fall: u32, rise: u32) -> Option<Transition> {
+        match outcome {
+            Outcome::Ok => {
+                self.fails = 0;
+                self.oks = self.oks.saturating_add(1);
+                if self.down && self.oks >= rise {
+                    self.down = false;
+                    return Some(Transition::CameUp);
+                }
+            }
+            Outcome::Failed => {
+                self.oks = 0;
+                self.fails = self.fails.saturating_add(1);
+                if !self.down && self.fails >= fall {
+                    self.down = true;
+                    return Some(Transition::WentDown);
+                }
+            }
+            // Neither streak moves: a busy server's check proves nothing.
+            Outcome::Busy => {}
+        }
+        None
+    }
+}
+
+/// Sends the checks. Cheap to clone; connections are not kept, so each check also proves the
+/// server still accepts new connections.
+#[derive(Clone)]
+pub struct Checker {
+    client: reqwest::Client,
+}
+
+impl Checker {
+    pub fn new(timeout: Duration) -> Result<Self> {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_max_idle_per_host(0)
+            .build()
+            .context("building the health-check HTTP client")?;
+        Ok(Checker { client })
+    }
+
+    /// The first model the server lists, for pools that do not name one.
+    pub async fn discover_model(&self, api: SocketAddr) -> Result<String> {
+        let url = format!("http://{api}/v1/models");
+        let body: Value = self
+            .client
+            .get(&url)
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .with_context(|| format!("GET {url}"))?
+            .json()
+            .await
+            .with_context(|| format!("GET {url}: not JSON"))?;
+        match body["data"][0]["id"].as_str() {
+            Some(id) if !id.is_empty() => Ok(id.to_owned()),
+            _ => bail!("GET {url}: no model listed"),
+        }
+    }
+
+    /// One completion of one token. Ok when the server generated it.
+    pub async fn check(&self, api: SocketAddr, model: &str) -> Result<()> {
+        let url = format!("http://{api}/v1/completions");
+        let request = json!({
+            "model": model,
+            "prompt": "Hello",
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": false,
+        });
+        let response = self
+            .client
+            .post(&url)
+            .json(&request)
+            .send()
+            .await
+            .with_context(|| format!("POST {url}"))?;
+        let status = response.status();
+        if !status.is_success() {
+            bail!("POST {url}: HTTP {status}");
+        }
+        let body: Value = response
+            .json()
+            .await
+            .with_context(|| format!("POST {url}: not JSON"))?;
+        if body["choices"].as_array().is_none_or(|c| c.is_empty()) {
+            bail!("POST {url}: no choices in the answer");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fall_and_rise_need_consecutive_results() {
+        let mut t = Track::default();
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(
+            t.record(Outcome::Ok, 3, 2),
+            None,
+            "a success breaks the streak"
+        );
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), Some(Transition::WentDown));
+        assert!(t.down);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None, "already down");
+        assert_eq!(t.record(Outcome::Ok, 3, 2), None);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Ok, 3, 2), None);
+        assert_eq!(t.record(Outcome::Ok, 3, 2), Some(Transition::CameUp));
+        assert!(!t.down);
+    }
+
+    #[test]
+    fn busy_never_takes_a_server_down() {
+        let mut t = Track::default();
+        for _ in 0..100 {
+            assert_eq!(t.record(Outcome::Busy, 3, 2), None);
+        }
+        assert!(!t.down);
+        // Nor does it break a streak of failures that is under way.
+        t.record(Outcome::Failed, 3, 2);
+        t.record(Outcome::Failed, 3, 2);
+        t.record(Outcome::Busy, 3, 2);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), Some(Transition::WentDown));
+    }
+}
