@@ -7,6 +7,7 @@ pub mod agent;
 pub mod client;
 pub mod netns;
 pub mod process;
+pub mod sim;
 pub mod topology;
 
 use std::sync::{Mutex, MutexGuard};

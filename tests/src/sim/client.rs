@@ -1,0 +1,310 @@
+//! A small blocking HTTP/1.1 client for the simulator: plain requests, and completion streams
+//! read event by event as they arrive. Every request has its own connection (`Connection:
+//! close`), and every read is bounded by a timeout.
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::Value;
+
+/// Bound on connecting and on each read or write, unless changed.
+pub const TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_BODY: u64 = 16 << 20;
+const MAX_HEAD_LINES: usize = 64;
+
+fn connect(addr: SocketAddr) -> Result<TcpStream> {
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT)
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.set_write_timeout(Some(TIMEOUT))?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+fn send(stream: &mut TcpStream, method: &str, path: &str, body: Option<&str>) -> Result<()> {
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n");
+    if let Some(body) = body {
+        request.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ));
+    } else {
+        request.push_str("\r\n");
+    }
+    stream
+        .write_all(request.as_bytes())
+        .with_context(|| format!("sending {method} {path}"))
+}
+
+/// Status and headers (names lowercased).
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Head {
+    fn read(reader: &mut impl BufRead) -> Result<Self> {
+        let mut line = String::new();
+        reader
+            .read_line(&mut line)
+            .context("reading the status line")?;
+        let status = line
+            .strip_prefix("HTTP/1.1 ")
+            .and_then(|rest| rest.get(..3))
+            .and_then(|code| code.parse().ok())
+            .with_context(|| format!("bad status line {line:?}"))?;
+        let mut headers = Vec::new();
+        for _ in 0..MAX_HEAD_LINES {
+            line.clear();
+            if reader.read_line(&mut line).context("reading headers")? == 0 {
+                bail!("connection closed inside the response head");
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                return Ok(Self { status, headers });
+            }
+            let (name, value) = line
+                .split_once(':')
+                .with_context(|| format!("bad header line {line:?}"))?;
+            headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
+        }
+        bail!("more than {MAX_HEAD_LINES} header lines")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body that follows this head: chunked, sized, or up to the end of the connection.
+    fn body<R: BufRead + 'static>(&self, reader: R) -> Result<Box<dyn Read>> {
+        if self.header("transfer-encoding") == Some("chunked") {
+            return Ok(Box::new(Chunked::new(reader)));
+        }
+        Ok(match self.header("content-length") {
+            Some(length) => Box::new(reader.take(length.parse().context("content-length")?)),
+            None => Box::new(reader.take(MAX_BODY)),
+        })
+    }
+}
+
+/// A complete response.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub head: Head,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn status(&self) -> u16 {
+        self.head.status
+    }
+
+    pub fn json(&self) -> Result<Value> {
+        serde_json::from_str(&self.body).with_context(|| format!("not JSON: {:?}", self.body))
+    }
+}
+
+/// `method path` with an optional JSON body; reads the whole response.
+pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Result<Reply> {
+    let mut stream = connect(addr)?;
+    send(&mut stream, method, path, body)?;
+    let mut reader = BufReader::new(stream);
+    let head = Head::read(&mut reader)?;
+    let mut body = String::new();
+    head.body(reader)?
+        .take(MAX_BODY)
+        .read_to_string(&mut body)
+        .with_context(|| format!("reading the body of {method} {path}"))?;
+    Ok(Reply { head, body })
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> Result<Reply> {
+    request(addr, "GET", path, None)
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<Reply> {
+    request(addr, "POST", path, Some(&body.to_string()))
+}
+
+/// Sends raw bytes and returns everything the server answers until it closes.
+pub fn raw(addr: SocketAddr, bytes: &[u8]) -> Result<String> {
+    let mut stream = connect(addr)?;
+    stream.write_all(bytes)?;
+    let mut answer = Vec::new();
+    stream.take(MAX_BODY).read_to_end(&mut answer)?;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+/// One server-sent event of a completion stream, stamped when it was read.
+#[derive(Debug, Clone)]
+pub enum Item {
+    Chunk { data: Value, at: Instant },
+    Done { at: Instant },
+}
+
+/// A streaming completion (`"stream": true`), read as the server writes it.
+pub struct Stream {
+    lines: BufReader<Box<dyn Read>>,
+    socket: TcpStream,
+    pub head: Head,
+    done: bool,
+}
+
+impl Stream {
+    /// POSTs `body` to `path` and reads the response head, which must be an event stream.
+    pub fn open(addr: SocketAddr, path: &str, body: &Value) -> Result<Self> {
+        let mut stream = connect(addr)?;
+        send(&mut stream, "POST", path, Some(&body.to_string()))?;
+        let socket = stream.try_clone()?;
+        let mut reader = BufReader::new(stream);
+        let head = Head::read(&mut reader)?;
+        if head.status != 200 {
+            let mut body = String::new();
+            head.body(reader)?.read_to_string(&mut body)?;
+            bail!("{path} answered {}: {body}", head.status);
+        }
+        ensure!(
+            head.header("content-type") == Some("text/event-stream"),
+            "content-type is {:?}",
+            head.header("content-type")
+        );
+        let body = head.body(reader)?;
+        Ok(Self {
+            lines: BufReader::new(body),
+            socket,
+            head,
+            done: false,
+        })
+    }
+
+    /// Changes the bound on waiting for the next bytes.
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        Ok(self.socket.set_read_timeout(Some(timeout))?)
+    }
+
+    /// The next event; `None` once the body ended (after `[DONE]`, or early).
+    pub fn next_item(&mut self) -> Result<Option<Item>> {
+        // An event is a `data:` line and a blank line; anything else is bounded too.
+        for _ in 0..8 {
+            if self.done {
+                return Ok(None);
+            }
+            let mut line = String::new();
+            if self.lines.read_line(&mut line)? == 0 {
+                return Ok(None);
+            }
+            let Some(data) = line.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
+            let at = Instant::now();
+            if data == "[DONE]" {
+                self.done = true;
+                return Ok(Some(Item::Done { at }));
+            }
+            let data = serde_json::from_str(data).with_context(|| format!("bad event {data:?}"))?;
+            return Ok(Some(Item::Chunk { data, at }));
+        }
+        bail!("eight lines without an event")
+    }
+
+    /// Everything up to the end of the body.
+    pub fn collect(mut self) -> Result<Vec<Item>> {
+        let mut items = Vec::new();
+        while let Some(item) = self.next_item()? {
+            items.push(item);
+        }
+        Ok(items)
+    }
+}
+
+/// Whether `error` is a read that timed out.
+pub fn is_timeout(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause.downcast_ref::<io::Error>().is_some_and(|e| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            )
+        })
+    })
+}
+
+/// The text of a completion or chat chunk (`choices[0].text` or `choices[0].delta.content`).
+pub fn chunk_text(data: &Value) -> Option<&str> {
+    let choice = data.get("choices")?.get(0)?;
+    choice
+        .get("text")
+        .or_else(|| choice.get("delta")?.get("content"))
+        .and_then(Value::as_str)
+}
+
+/// HTTP/1.1 chunked transfer decoding.
+struct Chunked<R> {
+    inner: R,
+    remaining: usize,
+    finished: bool,
+}
+
+impl<R: BufRead> Chunked<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            inner,
+            remaining: 0,
+            finished: false,
+        }
+    }
+}
+
+impl<R: BufRead> Read for Chunked<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.finished {
+            return Ok(0);
+        }
+        if self.remaining == 0 {
+            let mut line = String::new();
+            if self.inner.read_line(&mut line)? == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a chunked body",
+                ));
+            }
+            let size = line.trim_end().split(';').next().unwrap_or_default();
+            self.remaining = usize::from_str_radix(size, 16).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("bad chunk size {line:?}"),
+                )
+            })?;
+            if self.remaining == 0 {
+                self.finished = true;
+                return Ok(0);
+            }
+        }
+        let want = buf.len().min(self.remaining);
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed inside a chunk",
+            ));
+        }
+        self.remaining -= n;
+        if self.remaining == 0 {
+            let mut crlf = [0; 2];
+            self.inner.read_exact(&mut crlf)?;
+            if &crlf != b"\r\n" {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "chunk not followed by CRLF",
+                ));
+            }
+        }
+        Ok(n)
+    }
+}
