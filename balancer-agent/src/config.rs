@@ -9,7 +9,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use balancer_common::{DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_VIPS};
+use balancer_common::{
+    hint::{HintRange, DEFAULT_HINT_BUCKETS},
+    DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_VIPS,
+};
 use serde::Deserialize;
 
 use crate::dialect::Dialect;
@@ -89,8 +92,45 @@ pub struct Pool {
     /// Model named in health-check completions; the server's first model when absent.
     #[serde(default)]
     pub model: Option<String>,
+    /// Source ports that carry prefix hints, "FIRST-LAST" inclusive, or "off".
+    #[serde(default = "default_hint_ports")]
+    pub hint_ports: String,
+    #[serde(default = "default_hint_buckets")]
+    pub hint_buckets: u16,
+    /// Requests each server runs at once (vLLM's max_num_seqs, llama.cpp's -np): how many
+    /// new connections a bucket's home takes before it spills. Learned from the highest
+    /// running count seen when absent.
+    #[serde(default)]
+    pub slots: Option<u32>,
     #[serde(default)]
     pub server: Vec<Server>,
+}
+
+impl Pool {
+    /// The hint range; checked when the file is loaded, so None only means "off".
+    pub fn hint_range(&self) -> Option<HintRange> {
+        parse_hint_range(&self.hint_ports, self.hint_buckets)
+            .ok()
+            .flatten()
+    }
+}
+
+fn parse_hint_range(ports: &str, buckets: u16) -> Result<Option<HintRange>, String> {
+    if ports == "off" {
+        return Ok(None);
+    }
+    let bad = || format!("{ports:?} is not \"FIRST-LAST\" (e.g. \"16384-32767\") or \"off\"");
+    let (first, last) = ports.split_once('-').ok_or_else(bad)?;
+    let first: u16 = first.trim().parse().map_err(|_| bad())?;
+    let last: u16 = last.trim().parse().map_err(|_| bad())?;
+    if last < first {
+        return Err(format!("{ports:?}: the last port is below the first"));
+    }
+    let span = u32::from(last) - u32::from(first) + 1;
+    let span = u16::try_from(span).map_err(|_| format!("{ports:?}: at most 65535 ports"))?;
+    HintRange::new(first, span, buckets)
+        .map(Some)
+        .map_err(|e| format!("{ports:?} with hint_buckets = {buckets}: {}", e.message()))
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -147,6 +187,12 @@ fn default_spill_ttft_ms() -> u32 {
 }
 fn default_kv_high() -> f64 {
     0.95
+}
+fn default_hint_ports() -> String {
+    "16384-32767".into()
+}
+fn default_hint_buckets() -> u16 {
+    DEFAULT_HINT_BUCKETS
 }
 
 /// A configuration that could not be loaded, with where and why.
@@ -323,6 +369,10 @@ impl Config {
             }
             if p.model.as_ref().is_some_and(|m| m.is_empty()) {
                 return Err((at("model"), "must not be empty".into()));
+            }
+            parse_hint_range(&p.hint_ports, p.hint_buckets).map_err(|e| (at("hint_ports"), e))?;
+            if p.slots.is_some_and(|n| !(1..=1_000_000).contains(&n)) {
+                return Err((at("slots"), "must be 1-1000000".into()));
             }
             if p.server.len() > MAX_SERVERS_PER_POOL {
                 return Err((
@@ -529,6 +579,39 @@ metrics_port = 8001
         assert!(parse(&text)
             .unwrap_err()
             .contains("192.0.2.60:8000 is used by two pools"));
+    }
+
+    #[test]
+    fn hint_ranges() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.pool[0].hint_range(), Some(HintRange::DEFAULT));
+        let with =
+            |extra: &str| GOOD.replacen("port = 8000\n", &format!("port = 8000\n{extra}\n"), 1);
+        let off = parse(&with("hint_ports = \"off\"")).unwrap();
+        assert_eq!(off.pool[0].hint_range(), None);
+        let custom = parse(&with("hint_ports = \"20000-20999\"\nhint_buckets = 100")).unwrap();
+        assert_eq!(
+            custom.pool[0].hint_range(),
+            Some(HintRange::new(20000, 1000, 100).unwrap())
+        );
+        for (extra, needle) in [
+            ("hint_ports = \"20000\"", "is not \"FIRST-LAST\""),
+            ("hint_ports = \"30000-20000\"", "below the first"),
+            (
+                "hint_ports = \"20000-20099\"\nhint_buckets = 256",
+                "fewer ports than there are buckets",
+            ),
+            ("hint_buckets = 0", "at least 1"),
+            ("hint_buckets = 5000", "maximum of 1024"),
+            ("hint_ports = \"0-100\"\nhint_buckets = 4", "port 0"),
+            ("slots = 0", "pool[0].slots"),
+        ] {
+            let err = parse(&with(extra)).expect_err(extra);
+            assert!(
+                err.contains(needle) && err.contains("pool[0]"),
+                "{extra}: {err}"
+            );
+        }
     }
 
     #[test]

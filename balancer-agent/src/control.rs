@@ -15,11 +15,26 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum Request {
-    Show { pool: String },
-    Drain { pool: String, server: String },
-    Undrain { pool: String, server: String },
-    DrainStatus { pool: String, server: String },
+    Show {
+        pool: String,
+    },
+    Drain {
+        pool: String,
+        server: String,
+    },
+    Undrain {
+        pool: String,
+        server: String,
+    },
+    DrainStatus {
+        pool: String,
+        server: String,
+    },
     Counters,
+    /// The pool's hint port range, for clients that ask the agent.
+    Hint {
+        pool: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,6 +44,7 @@ pub enum Response {
     Done { message: String },
     DrainStatus(DrainStatus),
     Counters { counters: Vec<(String, u64)> },
+    Hint { start: u16, span: u16, buckets: u16 },
     Error { message: String },
 }
 

@@ -13,6 +13,7 @@ use balancer_common::{BackendStats, Counter};
 use tracing::{info, warn};
 
 use crate::{
+    affinity::{self, Load, Member, PoolAffinity},
     config::{Config, Pool},
     control::{DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
@@ -53,6 +54,11 @@ struct Server {
     scrape_error: Option<String>,
     health: String,
     model: Option<String>,
+    /// The most requests it was seen running: its slots, when the pool does not say.
+    max_running: f64,
+    /// A server that was saturated takes no hinted connection until then, so that a bucket
+    /// does not flap between its home and an alternate at the threshold.
+    spill_hold_until: Option<Instant>,
 }
 
 impl Server {
@@ -89,6 +95,9 @@ pub struct Controller {
     servers: HashMap<ServerKey, Server>,
     /// Weights in the maps now, per pool in configuration order.
     applied: HashMap<String, Vec<u32>>,
+    /// Prefix-hint buckets of the pools that take hints, and each pool's VIP id.
+    affinity: HashMap<String, PoolAffinity>,
+    vip_ids: HashMap<String, u32>,
 }
 
 impl Controller {
@@ -106,8 +115,11 @@ impl Controller {
             dp,
             servers: HashMap::new(),
             applied: HashMap::new(),
+            affinity: HashMap::new(),
+            vip_ids: HashMap::new(),
         };
         c.adopt(config, &plan);
+        c.refresh_affinity();
         Ok(c)
     }
 
@@ -126,6 +138,7 @@ impl Controller {
         let plan = self.ids.plan(&config, &weights, Instant::now())?;
         self.dp.apply(&plan)?;
         self.adopt(config, &plan);
+        self.refresh_affinity();
         Ok(())
     }
 
@@ -169,6 +182,8 @@ impl Controller {
                         scrape_error: None,
                         health: "not checked yet".into(),
                         model: pool.model.clone(),
+                        max_running: 0.0,
+                        spill_hold_until: None,
                     },
                 };
                 applied.push(server.decision.weight);
@@ -177,6 +192,26 @@ impl Controller {
             self.applied.insert(pool.name.clone(), applied);
         }
         self.servers = servers;
+        // A pool keeps its buckets' state across reloads unless its hint range changed.
+        let mut affinity = HashMap::new();
+        for (pool, vip) in config.pool.iter().zip(&plan.vips) {
+            if let Some(range) = vip.hint {
+                let kept = self
+                    .affinity
+                    .remove(&pool.name)
+                    .filter(|a| a.range == range);
+                affinity.insert(
+                    pool.name.clone(),
+                    kept.unwrap_or_else(|| PoolAffinity::new(range)),
+                );
+            }
+        }
+        self.affinity = affinity;
+        self.vip_ids = plan
+            .vips
+            .iter()
+            .map(|v| (v.pool.clone(), v.vip_id))
+            .collect();
         self.config = config;
     }
 
@@ -241,6 +276,7 @@ impl Controller {
                         s.ttft_at = Some(target.sent_at);
                     }
                     s.last_ttft = ttft;
+                    s.max_running = s.max_running.max(reading.running);
                     s.reading = Some(reading);
                     s.reading_at = Some(target.sent_at);
                     s.at_scrape = target.stats;
@@ -349,6 +385,122 @@ impl Controller {
                 .and_then(|plan| self.dp.apply(&plan));
             if let Err(e) = result {
                 warn!("writing new weights failed: {e:#}");
+            }
+        }
+        self.refresh_affinity();
+    }
+
+    /// Spill budgets of every server, then the candidates of every hint bucket.
+    fn refresh_affinity(&mut self) {
+        let now = Instant::now();
+        let hold = self.scrape_interval() * 2;
+        let idle = self.scrape_interval() * 30;
+        for pool in &self.config.pool {
+            let Some(aff) = self.affinity.get_mut(&pool.name) else {
+                continue;
+            };
+            let Some(&vip_id) = self.vip_ids.get(&pool.name) else {
+                continue;
+            };
+            let mut members = Vec::new();
+            let mut loads = Vec::new();
+            let mut names = HashMap::new();
+            for cfg in &pool.server {
+                let addr = SocketAddr::new(cfg.address, cfg.port);
+                let Some(s) = self.servers.get_mut(&(pool.name.clone(), addr)) else {
+                    continue;
+                };
+                names.insert(s.id, addr);
+                let up = s.state() == State::Up;
+                if up && cfg.weight > 0 {
+                    members.push(Member {
+                        id: s.id,
+                        key: addr.to_string(),
+                        weight: cfg.weight,
+                    });
+                }
+                let saturated = !up || s.decision.saturated;
+                if saturated {
+                    s.spill_hold_until = Some(now + hold);
+                }
+                let held = s.spill_hold_until.is_some_and(|t| now < t);
+                let running = s.reading.as_ref().map_or(0.0, |r| r.running);
+                let waiting = s.reading.as_ref().map_or(0.0, |r| r.waiting);
+                let slots = pool.slots.unwrap_or(s.max_running.max(1.0) as u32);
+                let opened = s.now.flows_opened.saturating_sub(s.at_scrape.flows_opened);
+                let closed = s.now.flows_closed.saturating_sub(s.at_scrape.flows_closed);
+                let fresh = opened.saturating_sub(closed);
+                let budget = if held {
+                    0
+                } else {
+                    affinity::budget(false, slots, running, waiting, fresh, pool.spill_waiting)
+                };
+                if let Err(e) = self.dp.set_budget(s.id, budget) {
+                    warn!("writing a spill budget failed: {e:#}");
+                }
+                let why = if saturated {
+                    s.decision.reason.clone()
+                } else if held {
+                    "recovering from saturation".into()
+                } else {
+                    format!("no free slot (running {running:.0} of {slots}, waiting {waiting:.0}, {fresh} new)")
+                };
+                loads.push(Load {
+                    id: s.id,
+                    saturated,
+                    budget,
+                    waiting: s.reading.as_ref().map(|r| r.waiting),
+                    ttft_ms: s.ttft_ms,
+                    why,
+                });
+            }
+            let stats: Vec<_> = (0..aff.range.buckets)
+                .map(|b| self.dp.bucket_stats(vip_id, b).unwrap_or_default())
+                .collect();
+            let update = aff.update(now, &members, &loads, &stats, idle);
+            let name = |id: u32| {
+                names
+                    .get(&id)
+                    .map_or_else(|| format!("id {id}"), |a| a.to_string())
+            };
+            for spill in &update.spills {
+                info!(
+                    pool = %pool.name,
+                    "bucket {}: spill from {} to {}: {}",
+                    spill.bucket,
+                    name(spill.from),
+                    name(spill.to),
+                    spill.why
+                );
+            }
+            for sp in &update.spilled {
+                let mut to: Vec<String> = sp
+                    .to_warm
+                    .iter()
+                    .map(|(id, k)| format!("{k} to {}", name(*id)))
+                    .collect();
+                if sp.by_weight > 0 {
+                    to.push(format!(
+                        "{} by weight (no alternate had room)",
+                        sp.by_weight
+                    ));
+                }
+                info!(
+                    pool = %pool.name,
+                    "bucket {}: {} connections spilled from {}: {}",
+                    sp.bucket,
+                    sp.count,
+                    name(sp.home),
+                    to.join(", ")
+                );
+            }
+            for (bucket, candidates) in &update.write {
+                if let Err(e) = self.dp.set_bucket(vip_id, *bucket, candidates) {
+                    warn!(
+                        "writing bucket {bucket} of pool {} failed: {e:#}",
+                        pool.name
+                    );
+                }
             }
         }
     }
@@ -563,6 +715,19 @@ impl Controller {
             Counters => self
                 .counters()
                 .map(|counters| Response::Counters { counters }),
+            Hint { pool } => match self.config.pool.iter().find(|p| p.name == pool) {
+                None => Err(anyhow::anyhow!("no pool named {pool:?}")),
+                Some(p) => match p.hint_range() {
+                    None => Err(anyhow::anyhow!(
+                        "pool {pool} takes no hints (hint_ports = \"off\")"
+                    )),
+                    Some(r) => Ok(Response::Hint {
+                        start: r.start,
+                        span: r.span,
+                        buckets: r.buckets,
+                    }),
+                },
+            },
         };
         result.unwrap_or_else(|e| Response::Error {
             message: format!("{e:#}"),

@@ -13,7 +13,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
-    Backend, BackendStats, Counter, FlowEntry, FlowKey, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
+    hint::{HintRange, MAX_HINT_BUCKETS},
+    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, VipInfo,
+    VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
 };
 use tracing::{info, warn};
 
@@ -83,6 +85,10 @@ pub struct Dataplane {
     counters: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    buckets: Array<MapData, Bucket>,
+    load: Array<MapData, BackendLoad>,
+    opens: Array<MapData, u64>,
+    bucket_stats: PerCpuArray<MapData, BucketStats>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
     links: BTreeMap<String, XdpLinkId>,
@@ -111,6 +117,10 @@ impl Dataplane {
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
         let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
+        let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
+        let load = Array::try_from(take(&mut ebpf, "LOAD")?)?;
+        let opens = Array::try_from(take(&mut ebpf, "OPENS")?)?;
+        let bucket_stats = PerCpuArray::try_from(take(&mut ebpf, "BUCKET_STATS")?)?;
         Ok(Dataplane {
             ebpf,
             vips,
@@ -119,6 +129,10 @@ impl Dataplane {
             counters,
             backend_stats,
             flows,
+            buckets,
+            load,
+            opens,
+            bucket_stats,
             installed: HashMap::new(),
             links: BTreeMap::new(),
         })
@@ -163,11 +177,20 @@ impl Dataplane {
                     *slot = u64::from(*id);
                 }
             }
+            let hint = vip.hint.unwrap_or(HintRange {
+                start: 0,
+                span: 0,
+                buckets: 0,
+            });
             let info = VipInfo {
                 vip_id: vip.vip_id,
                 table,
                 idle_timeout_s: vip.idle_timeout_s,
                 live_backends: vip.live_backends,
+                hint_start: hint.start,
+                hint_span: hint.span,
+                hint_buckets: hint.buckets,
+                _pad: 0,
             };
             if installed != Some((vip.key, info)) {
                 self.vips
@@ -275,6 +298,43 @@ impl Dataplane {
             }))
     }
 
+    /// Writes the candidates of bucket `bucket` of VIP `vip_id`.
+    pub fn set_bucket(&mut self, vip_id: u32, bucket: u16, candidates: &Bucket) -> Result<()> {
+        self.buckets
+            .set(bucket_slot(vip_id, bucket), candidates, 0)
+            .with_context(|| format!("writing bucket {bucket} of VIP {vip_id}"))
+    }
+
+    /// Hinted SYNs, spills and picks of one bucket so far, summed over CPUs.
+    pub fn bucket_stats(&self, vip_id: u32, bucket: u16) -> Result<BucketStats> {
+        let values = self.bucket_stats.get(&bucket_slot(vip_id, bucket), 0)?;
+        Ok(values.iter().fold(BucketStats::default(), |mut a, v| {
+            a.hinted += v.hinted;
+            a.spilled += v.spilled;
+            for (sum, p) in a.picks.iter_mut().zip(v.picks) {
+                *sum += p;
+            }
+            a
+        }))
+    }
+
+    /// Lets backend `id` take `budget` more new connections before it counts as past its
+    /// spill threshold, counted from now.
+    pub fn set_budget(&mut self, id: u32, budget: u32) -> Result<()> {
+        let opened_base = self.opens.get(&id, 0)?;
+        self.load
+            .set(
+                id,
+                BackendLoad {
+                    opened_base,
+                    budget,
+                    _pad: 0,
+                },
+                0,
+            )
+            .with_context(|| format!("writing the budget of backend {id}"))
+    }
+
     /// Connections still open on each of `ids`: forward entries with no FIN or RST seen and
     /// not idle past their timeout. Walks the whole flow table, so it is for occasional
     /// questions (has a drained server's last stream ended?), not for every tick.
@@ -321,6 +381,10 @@ impl Dataplane {
         }
         Ok(doomed.len())
     }
+}
+
+fn bucket_slot(vip_id: u32, bucket: u16) -> u32 {
+    vip_id * u32::from(MAX_HINT_BUCKETS) + u32::from(bucket)
 }
 
 /// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.

@@ -64,6 +64,30 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
+    /// The source port that hints a prompt prefix to the pool: prints `--local-port N` for
+    /// curl, or just the number with `--port`.
+    Hint {
+        #[arg(long)]
+        pool: String,
+        /// The prefix, as the client will send it.
+        #[arg(
+            long,
+            conflicts_with = "prefix_file",
+            required_unless_present = "prefix_file"
+        )]
+        prefix: Option<String>,
+        /// A file holding the prefix (its bytes exactly).
+        #[arg(long)]
+        prefix_file: Option<PathBuf>,
+        /// Print only the port number.
+        #[arg(long)]
+        port: bool,
+        /// Read the pool's hint range from this configuration instead of asking the agent.
+        #[arg(long, conflicts_with = "socket")]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
         #[arg(long)]
@@ -166,6 +190,40 @@ fn execute(command: Command) -> Result<()> {
             }
             Ok(())
         }
+        Command::Hint {
+            pool,
+            prefix,
+            prefix_file,
+            port,
+            config,
+            socket,
+        } => {
+            let prefix = match (prefix, prefix_file) {
+                (Some(p), _) => p.into_bytes(),
+                (None, Some(f)) => {
+                    std::fs::read(&f).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?
+                }
+                (None, None) => bail!("give --prefix or --prefix-file"),
+            };
+            let range = hint_range(&pool, config.as_deref(), socket.as_deref())?;
+            let bucket = range.bucket_of_prefix(&prefix);
+            let family = "0.0.0.0".parse().expect("an address");
+            let free = balancer_agent::hint::free_port(range, &prefix, family)?;
+            if port {
+                println!("{free}");
+            } else {
+                println!("--local-port {free}");
+                eprintln!(
+                    "bucket {bucket} of {}: source ports {}, {}, ... every {} up to {}",
+                    range.buckets,
+                    range.start + bucket,
+                    range.start + bucket + range.buckets,
+                    range.buckets,
+                    u32::from(range.start) + u32::from(range.span) - 1
+                );
+            }
+            Ok(())
+        }
         Command::Counters { json, socket } => {
             match ask(&socket, &Request::Counters)? {
                 Response::Counters { counters } if json => {
@@ -180,6 +238,35 @@ fn execute(command: Command) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// The pool's hint range, from a configuration file or from the running agent.
+fn hint_range(
+    pool: &str,
+    config: Option<&Path>,
+    socket: Option<&Path>,
+) -> Result<balancer_common::hint::HintRange> {
+    if let Some(file) = config {
+        let c = Config::load(file)?;
+        let p = c
+            .pool
+            .iter()
+            .find(|p| p.name == pool)
+            .ok_or_else(|| anyhow::anyhow!("{}: no pool named {pool:?}", file.display()))?;
+        return p
+            .hint_range()
+            .ok_or_else(|| anyhow::anyhow!("pool {pool} takes no hints (hint_ports = \"off\")"));
+    }
+    let socket = socket.unwrap_or(Path::new(DEFAULT_CONTROL_SOCKET));
+    match ask(socket, &Request::Hint { pool: pool.into() })? {
+        Response::Hint {
+            start,
+            span,
+            buckets,
+        } => balancer_common::hint::HintRange::new(start, span, buckets)
+            .map_err(|e| anyhow::anyhow!("the agent sent a bad hint range: {}", e.message())),
+        other => bail!("unexpected answer: {other:?}"),
     }
 }
 

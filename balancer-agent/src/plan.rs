@@ -9,8 +9,8 @@ use std::{
 
 use anyhow::{bail, Result};
 use balancer_common::{
-    addr_words, Backend, VipKey, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS,
-    MAX_VIPS,
+    addr_words, hint::HintRange, Backend, VipKey, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE,
+    MAX_BACKENDS, MAX_VIPS,
 };
 
 use crate::{
@@ -31,6 +31,7 @@ pub struct VipPlan {
     pub table: Vec<u32>,
     /// Each configured server's id, in configuration order.
     pub members: Vec<(SocketAddr, u32)>,
+    pub hint: Option<HintRange>,
 }
 
 /// What the maps should hold.
@@ -161,6 +162,7 @@ impl Ids {
                 live_backends: members.iter().filter(|(_, w, _)| *w > 0).count() as u32,
                 table: build_table(&maglev, MAGLEV_SIZE),
                 members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
+                hint: pool.hint_range(),
             });
         }
         // Flows may name a retired id until the longest idle timeout has passed.

@@ -9,6 +9,7 @@
 
 pub mod csum;
 pub mod hash;
+pub mod hint;
 
 /// Address families as stored in keys (not the kernel's AF_* numbers: a byte is enough).
 pub const FAMILY_V4: u8 = 4;
@@ -70,7 +71,44 @@ pub struct VipInfo {
     pub idle_timeout_s: u32,
     /// Number of backends with weight > 0; zero means every new flow is dropped.
     pub live_backends: u32,
+    /// Prefix hints (`hint`): SYNs from source ports in `[hint_start, hint_start +
+    /// hint_span)` select through `BUCKETS`; `hint_buckets == 0` turns hints off.
+    pub hint_start: u16,
+    pub hint_span: u16,
+    pub hint_buckets: u16,
+    pub _pad: u16,
 }
+
+/// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that
+/// already hold the prefix; 0 marks an empty place.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Bucket {
+    pub ids: [u32; hint::BUCKET_CANDIDATES],
+}
+
+/// How many more new connections a backend may take before it counts as past its spill
+/// threshold: the agent writes `budget` together with the value of `OPENS[id]` at that
+/// moment, and the program compares the opens since with the budget.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BackendLoad {
+    pub opened_base: u64,
+    pub budget: u32,
+    pub _pad: u32,
+}
+
+/// Per hint bucket and CPU: hinted SYNs, how many spilled, and which candidate took each.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BucketStats {
+    pub hinted: u64,
+    pub spilled: u64,
+    pub picks: [u64; hint::BUCKET_CANDIDATES],
+}
+
+/// Buckets of all VIPs: VIP `v`'s bucket `b` is at `v * MAX_HINT_BUCKETS + b`.
+pub const BUCKET_SLOTS: u32 = MAX_VIPS * hint::MAX_HINT_BUCKETS as u32;
 
 /// A backend server, indexed by its id in the backends array.
 #[repr(C)]
@@ -183,10 +221,17 @@ pub enum Counter {
     /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
     /// device, which XDP cannot transmit on, so the stack forwards it.
     PassVlan,
+    /// A hinted SYN went to its bucket's home.
+    HintHome,
+    /// A hinted SYN spilled to a warm alternate: the home was past its threshold.
+    HintWarm,
+    /// A hinted SYN found its home and alternates all past their thresholds (or no
+    /// candidates yet) and took the Maglev pick.
+    HintMaglev,
 }
 
 impl Counter {
-    pub const COUNT: u32 = Counter::PassVlan as u32 + 1;
+    pub const COUNT: u32 = Counter::HintMaglev as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -213,6 +258,9 @@ impl Counter {
         Counter::PassNoNeigh,
         Counter::PassFibOther,
         Counter::PassVlan,
+        Counter::HintHome,
+        Counter::HintWarm,
+        Counter::HintMaglev,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -242,6 +290,9 @@ impl Counter {
             Counter::PassNoNeigh => "pass_no_neigh",
             Counter::PassFibOther => "pass_fib_other",
             Counter::PassVlan => "pass_vlan",
+            Counter::HintHome => "hint_home",
+            Counter::HintWarm => "hint_warm",
+            Counter::HintMaglev => "hint_maglev",
         }
     }
 }
@@ -256,6 +307,9 @@ mod pod {
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
     unsafe impl aya::Pod for super::BackendStats {}
+    unsafe impl aya::Pod for super::Bucket {}
+    unsafe impl aya::Pod for super::BackendLoad {}
+    unsafe impl aya::Pod for super::BucketStats {}
 }
 
 #[cfg(test)]
@@ -266,7 +320,10 @@ mod tests {
     #[test]
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<VipKey>(), 20);
-        assert_eq!(size_of::<VipInfo>(), 16);
+        assert_eq!(size_of::<VipInfo>(), 24);
+        assert_eq!(size_of::<Bucket>(), 16);
+        assert_eq!(size_of::<BackendLoad>(), 16);
+        assert_eq!(size_of::<BucketStats>(), 48);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 48);

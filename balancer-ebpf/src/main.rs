@@ -3,7 +3,11 @@
 //! to the stack untouched.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// For `atomic_xadd`: see `affinity::note_open`. The BPF object is always built with nightly.
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
+mod affinity;
 mod maps;
 mod nat;
 mod parse;
@@ -131,14 +135,19 @@ fn new_flow(
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
     }
-    let slot = vip.table * MAGLEV_SIZE + flow_hash(&pkt.key) % MAGLEV_SIZE;
-    let id = match MAGLEV.get(slot) {
-        Some(&id) if id != 0 => id as u32,
-        _ => return Err(Counter::DropNoBackend),
-    };
-    let backend: Backend = match BACKENDS.get(id) {
-        Some(b) if b.flags & BACKEND_F_PRESENT != 0 => *b,
-        _ => return Err(Counter::DropBadBackend),
+    let hinted = affinity::bucket(vip, pkt)
+        .and_then(|b| affinity::pick(vip, b, syn))
+        .and_then(|id| present(id).map(|b| (id, b)));
+    let (id, backend) = match hinted {
+        Some(chosen) => chosen,
+        None => {
+            let slot = vip.table * MAGLEV_SIZE + flow_hash(&pkt.key) % MAGLEV_SIZE;
+            let id = match MAGLEV.get(slot) {
+                Some(&id) if id != 0 => id as u32,
+                _ => return Err(Counter::DropNoBackend),
+            };
+            (id, present(id).ok_or(Counter::DropBadBackend)?)
+        }
     };
     let fwd = FlowEntry {
         nat_addr: backend.addr,
@@ -179,7 +188,17 @@ fn new_flow(
         // SAFETY: per-CPU value, no other writer.
         unsafe { (*stats).flows_opened += 1 };
     }
+    affinity::note_open(id);
     Ok((id, backend.addr, backend.port))
+}
+
+/// The backend `id` names, if it is configured.
+#[inline(always)]
+fn present(id: u32) -> Option<Backend> {
+    match BACKENDS.get(id) {
+        Some(b) if b.flags & BACKEND_F_PRESENT != 0 => Some(*b),
+        _ => None,
+    }
 }
 
 /// Backend -> client: make the reply come from the VIP.

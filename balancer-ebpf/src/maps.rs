@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use balancer_common::{
-    Backend, BackendStats, Counter, FlowEntry, FlowKey, VipInfo, VipKey, DEFAULT_FLOW_ENTRIES,
-    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, VipInfo,
+    VipKey, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -43,6 +43,25 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::C
 #[map]
 pub static BACKEND_STATS: PerCpuArray<BackendStats> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Prefix-hint buckets of every VIP: home and warm alternates, written by the agent.
+#[map]
+pub static BUCKETS: Array<Bucket> = Array::with_max_entries(BUCKET_SLOTS, 0);
+
+/// New connections each backend may still take before it is past its spill threshold,
+/// written by the agent every time it folds in fresh metrics.
+#[map]
+pub static LOAD: Array<BackendLoad> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// New connections per backend, shared by all CPUs (atomic adds), so that a spill decision
+/// on one CPU sees the connections opened on the others since the agent's last `LOAD`.
+#[map]
+pub static OPENS: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per hint bucket and CPU: hinted SYNs, spills, and picks per candidate place; the agent
+/// reads them to log spills and to drop alternates nobody uses any more.
+#[map]
+pub static BUCKET_STATS: PerCpuArray<BucketStats> = PerCpuArray::with_max_entries(BUCKET_SLOTS, 0);
 
 #[inline(always)]
 pub fn count(c: Counter) {

@@ -362,6 +362,13 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
                 .unwrap()
                 .table;
             kernel_picks_what_user_space_predicts(&mut h, n, table, &id)?;
+            let vip_id = plan
+                .vips
+                .iter()
+                .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
+                .unwrap()
+                .vip_id;
+            hinted_syns_go_home_then_spill(&mut h, n, vip_id, table, &id)?;
         }
         Ok(())
     });
@@ -636,6 +643,123 @@ fn kernel_picks_what_user_space_predicts(
         )?;
     }
     ensure!(seen.len() == 4, "200 flows reached only {seen:?}");
+    Ok(())
+}
+
+/// A SYN from a hint port goes to its bucket's home while the home has budget, then to the
+/// warm alternate with the most room, then to the Maglev pick; a mid-stream packet without
+/// an entry goes home; ports outside the range never look at the buckets.
+fn hinted_syns_go_home_then_spill(
+    h: &mut Harness,
+    n: &Net,
+    vip_id: u32,
+    table: &[u32],
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let range = balancer_common::hint::HintRange::DEFAULT;
+    let bucket = 17u16;
+    let [a, b, c, _] = n.multi;
+    h.dp.set_bucket(
+        vip_id,
+        bucket,
+        &balancer_common::Bucket {
+            ids: [id(a), id(b), id(c), 0],
+        },
+    )?;
+    h.dp.set_budget(id(a), 2)?;
+    h.dp.set_budget(id(b), 1)?;
+    h.dp.set_budget(id(c), 3)?;
+    let mut ports = range.ports(bucket);
+    let mut send = |h: &mut Harness,
+                    flags: &'static str,
+                    expect: IpAddr,
+                    c: Counter,
+                    what: &str|
+     -> Result<()> {
+        let sport = ports.next().context("bucket ports")?;
+        let pkt = client_syn(n, n.vip_multi, sport).with(|f| f.flags = flags);
+        let out = pkt.with(|f| f.dst = expect);
+        h.expect(
+            &format!("{fam} {what} (port {sport})"),
+            h.g0,
+            &pkt.bytes(),
+            XDP_PASS,
+            &out.bytes(),
+            c,
+        )
+    };
+    // Budget 2 at home: two SYNs stay.
+    send(h, "S", a, Counter::HintHome, "hinted SYN 1 at home")?;
+    send(h, "S", a, Counter::HintHome, "hinted SYN 2 at home")?;
+    // Home past its threshold: the alternate with the most room (c: 3 > b: 1).
+    send(
+        h,
+        "S",
+        c,
+        Counter::HintWarm,
+        "spill to the roomiest alternate",
+    )?;
+    send(h, "S", c, Counter::HintWarm, "spill again")?;
+    // c has 1 left, b has 1: the first with the most room wins the tie (b comes first).
+    send(h, "S", b, Counter::HintWarm, "spill to the next")?;
+    send(h, "S", c, Counter::HintWarm, "spill to the last room")?;
+    // No room anywhere: the weighted pick, which is what Maglev names for this flow.
+    let sport = range.ports(bucket).last().context("bucket ports")?;
+    let (src, family) = balancer_common::addr_words(n.client);
+    let key = balancer_common::FlowKey {
+        src,
+        dst: balancer_common::addr_words(n.vip_multi).0,
+        sport: sport.to_be(),
+        dport: 8000u16.to_be(),
+        proto: balancer_common::IPPROTO_TCP,
+        family,
+        _pad: [0; 2],
+    };
+    let predicted =
+        table[(balancer_common::hash::flow_hash(&key) % balancer_common::MAGLEV_SIZE) as usize];
+    let maglev = *n
+        .multi
+        .iter()
+        .find(|x| id(**x) == predicted)
+        .context("predicted id")?;
+    let pkt = client_syn(n, n.vip_multi, sport);
+    h.expect(
+        &format!("{fam} no room anywhere"),
+        h.g0,
+        &pkt.bytes(),
+        XDP_PASS,
+        &pkt.with(|f| f.dst = maglev).bytes(),
+        Counter::HintMaglev,
+    )?;
+    // A new budget counts from the opens at the time it is written.
+    h.dp.set_budget(id(a), 1)?;
+    send(
+        h,
+        "S",
+        a,
+        Counter::HintHome,
+        "home again with a fresh budget",
+    )?;
+    // Mid-stream without an entry: home, no spill logic.
+    send(h, "A", a, Counter::FlowNewMidstream, "mid-stream goes home")?;
+    let stats = h.dp.bucket_stats(vip_id, bucket)?;
+    ensure!(
+        stats.hinted == 8 && stats.spilled == 5,
+        "{fam} bucket stats {stats:?}"
+    );
+    ensure!(stats.picks == [3, 1, 3, 0], "{fam} picks {:?}", stats.picks);
+    // Outside the range: Maglev, the buckets are not consulted.
+    let before = h.counter(Counter::HintHome)
+        + h.counter(Counter::HintWarm)
+        + h.counter(Counter::HintMaglev);
+    let plain = client_syn(n, n.vip_multi, 45000);
+    let (v, _) = h.run(h.g0, &plain.bytes())?;
+    ensure!(v == XDP_PASS);
+    let after = h.counter(Counter::HintHome)
+        + h.counter(Counter::HintWarm)
+        + h.counter(Counter::HintMaglev);
+    ensure!(before == after, "{fam}: port 45000 was treated as a hint");
     Ok(())
 }
 

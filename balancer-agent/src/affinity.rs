@@ -1,0 +1,453 @@
+//! Prefix affinity, the agent's half: each hint bucket's home by rendezvous hashing, the
+//! warm alternates a bucket spills to, and each server's spill budget. The XDP program does
+//! the per-connection part (`balancer-ebpf/src/affinity.rs`). Pure code.
+
+use std::time::{Duration, Instant};
+
+use balancer_common::{
+    hint::{fnv1a64, HintRange, BUCKET_CANDIDATES},
+    Bucket, BucketStats,
+};
+
+/// A server that may be a bucket's home: UP, not draining, configured weight > 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Member {
+    pub id: u32,
+    /// Stable identity, e.g. "10.4.0.11:8000": the same on every gateway.
+    pub key: String,
+    pub weight: u32,
+}
+
+/// Weighted rendezvous (highest random weight) hashing: every server draws a score per
+/// bucket and the highest wins. Removing a server moves only the buckets it won; adding one
+/// takes only the buckets it now wins. Scores are `-weight / ln(u)` with `u` uniform in
+/// (0, 1), which makes a server's share proportional to its weight.
+pub fn home(bucket: u16, members: &[Member]) -> Option<u32> {
+    members
+        .iter()
+        .filter(|m| m.weight > 0)
+        .map(|m| (score(bucket, m), m.id))
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+        .map(|(_, id)| id)
+}
+
+fn score(bucket: u16, m: &Member) -> f64 {
+    let mut h =
+        fnv1a64(m.key.as_bytes()) ^ (u64::from(bucket) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // fmix64 (MurmurHash3): FNV's low bits alone are too regular for a uniform draw.
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^= h >> 33;
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -f64::from(m.weight) / u.ln()
+}
+
+/// New connections a server may take before a new request would have to wait for
+/// `spill_waiting` others: its free slots, less what is already waiting and what arrived
+/// since the scrape. Zero when the server is saturated.
+pub fn budget(
+    saturated: bool,
+    slots: u32,
+    running: f64,
+    waiting: f64,
+    fresh: u64,
+    spill_waiting: u32,
+) -> u32 {
+    if saturated {
+        return 0;
+    }
+    let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting - fresh as f64;
+    room.clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// What a bucket's spill decision needs to know about a server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Load {
+    pub id: u32,
+    pub saturated: bool,
+    pub budget: u32,
+    pub waiting: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    /// Why the server takes no more hinted connections, for the spill log line.
+    pub why: String,
+}
+
+/// A spill decision, logged as one line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spill {
+    pub bucket: u16,
+    pub from: u32,
+    pub to: u32,
+    pub why: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Warm {
+    id: u32,
+    last_used: Instant,
+}
+
+#[derive(Debug, Clone, Default)]
+struct BucketState {
+    warm: Vec<Warm>,
+    /// Alternates that were warm before: they may still hold the prefix.
+    former: Vec<u32>,
+    last_hinted: Option<Instant>,
+    seen: BucketStats,
+    written: Option<Bucket>,
+}
+
+/// One pool's buckets.
+pub struct PoolAffinity {
+    pub range: HintRange,
+    buckets: Vec<BucketState>,
+    homes: Vec<u32>,
+    members: Vec<Member>,
+}
+
+/// What changed in one update.
+#[derive(Debug, Default)]
+pub struct Update {
+    /// Buckets whose candidates must be written.
+    pub write: Vec<(u16, Bucket)>,
+    /// Alternates added because a home was past its threshold.
+    pub spills: Vec<Spill>,
+    /// Hinted connections that spilled since the last update.
+    pub spilled: Vec<Spilled>,
+}
+
+/// How many hinted connections of a bucket spilled since the last update, and where to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spilled {
+    pub bucket: u16,
+    pub home: u32,
+    pub count: u64,
+    /// Per warm alternate.
+    pub to_warm: Vec<(u32, u64)>,
+    /// To the weighted (Maglev) pick, because no alternate had room.
+    pub by_weight: u64,
+}
+
+impl PoolAffinity {
+    pub fn new(range: HintRange) -> Self {
+        PoolAffinity {
+            range,
+            buckets: vec![BucketState::default(); usize::from(range.buckets)],
+            homes: Vec::new(),
+            members: Vec::new(),
+        }
+    }
+
+    /// The current home of every bucket (0 where no server is eligible).
+    pub fn homes(&self) -> &[u32] {
+        &self.homes
+    }
+
+    /// One round: new bucket statistics and server loads in, candidates to write out.
+    /// A bucket is active while hinted connections arrived within `idle`; an alternate
+    /// nobody used for `idle` is dropped.
+    pub fn update(
+        &mut self,
+        now: Instant,
+        members: &[Member],
+        loads: &[Load],
+        stats: &[BucketStats],
+        idle: Duration,
+    ) -> Update {
+        if self.members != members || self.homes.is_empty() {
+            self.members = members.to_vec();
+            self.homes = (0..self.range.buckets)
+                .map(|b| home(b, members).unwrap_or(0))
+                .collect();
+        }
+        let load = |id: u32| loads.iter().find(|l| l.id == id);
+        let eligible = |id: u32| members.iter().any(|m| m.id == id && m.weight > 0);
+        let mut out = Update::default();
+        for (b, state) in self.buckets.iter_mut().enumerate() {
+            let bucket = b as u16;
+            let home = self.homes[b];
+            let current = stats.get(b).copied().unwrap_or_default();
+            let previous = std::mem::replace(&mut state.seen, current);
+            if current.hinted > previous.hinted {
+                state.last_hinted = Some(now);
+            }
+            // The places of the last written candidates tell which alternates were used.
+            if let Some(written) = state.written {
+                let mut to_warm = Vec::new();
+                for place in 1..BUCKET_CANDIDATES {
+                    let used = current.picks[place].saturating_sub(previous.picks[place]);
+                    if used > 0 {
+                        let id = written.ids[place];
+                        if let Some(w) = state.warm.iter_mut().find(|w| w.id == id) {
+                            w.last_used = now;
+                        }
+                        to_warm.push((id, used));
+                    }
+                }
+                let spilled = current.spilled.saturating_sub(previous.spilled);
+                if spilled > 0 {
+                    let warm: u64 = to_warm.iter().map(|(_, n)| n).sum();
+                    out.spilled.push(Spilled {
+                        bucket,
+                        home: written.ids[0],
+                        count: spilled,
+                        to_warm,
+                        by_weight: spilled.saturating_sub(warm),
+                    });
+                }
+            }
+            let (warm, gone): (Vec<Warm>, Vec<Warm>) = state.warm.drain(..).partition(|w| {
+                w.id != home && eligible(w.id) && now.duration_since(w.last_used) < idle
+            });
+            state.warm = warm;
+            for w in gone {
+                state.former.retain(|id| *id != w.id);
+                state.former.insert(0, w.id);
+                state.former.truncate(BUCKET_CANDIDATES);
+            }
+            let active = state
+                .last_hinted
+                .is_some_and(|t| now.duration_since(t) < idle);
+            let home_full = load(home).is_none_or(|l| l.budget == 0);
+            let warm_room = state
+                .warm
+                .iter()
+                .any(|w| load(w.id).is_some_and(|l| l.budget > 0));
+            if home != 0
+                && active
+                && home_full
+                && !warm_room
+                && state.warm.len() < BUCKET_CANDIDATES - 1
+            {
+                let taken: Vec<u32> = std::iter::once(home)
+                    .chain(state.warm.iter().map(|w| w.id))
+                    .collect();
+                let best = loads
+                    .iter()
+                    .filter(|l| eligible(l.id) && !taken.contains(&l.id) && l.budget > 0)
+                    .min_by(|a, b| {
+                        let queued = |l: &Load| l.waiting.unwrap_or(0.0) > 0.0;
+                        queued(a)
+                            .cmp(&queued(b))
+                            .then(
+                                a.ttft_ms
+                                    .unwrap_or(0.0)
+                                    .total_cmp(&b.ttft_ms.unwrap_or(0.0)),
+                            )
+                            .then(
+                                (!state.former.contains(&a.id)).cmp(&!state.former.contains(&b.id)),
+                            )
+                            .then(b.budget.cmp(&a.budget))
+                            .then(a.id.cmp(&b.id))
+                    });
+                if let Some(best) = best {
+                    state.warm.push(Warm {
+                        id: best.id,
+                        last_used: now,
+                    });
+                    out.spills.push(Spill {
+                        bucket,
+                        from: home,
+                        to: best.id,
+                        why: load(home).map_or_else(|| "no load known".into(), |l| l.why.clone()),
+                    });
+                }
+            }
+            let mut ids = [0u32; BUCKET_CANDIDATES];
+            ids[0] = home;
+            for (place, w) in ids[1..].iter_mut().zip(&state.warm) {
+                *place = w.id;
+            }
+            let candidates = Bucket { ids };
+            if state.written != Some(candidates) {
+                state.written = Some(candidates);
+                out.write.push((bucket, candidates));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(n: u32) -> Vec<Member> {
+        (1..=n)
+            .map(|i| Member {
+                id: i,
+                key: format!("10.4.0.{}:8000", 10 + i),
+                weight: 100,
+            })
+            .collect()
+    }
+
+    fn load(id: u32, budget: u32, waiting: f64, ttft: f64) -> Load {
+        Load {
+            id,
+            saturated: budget == 0,
+            budget,
+            waiting: Some(waiting),
+            ttft_ms: Some(ttft),
+            why: format!("server {id} full"),
+        }
+    }
+
+    #[test]
+    fn rendezvous_moves_only_the_removed_servers_buckets() {
+        for n in [2u32, 4, 8] {
+            let all = members(n);
+            let before: Vec<u32> = (0..256).map(|b| home(b, &all).unwrap()).collect();
+            for gone in 1..=n {
+                let rest: Vec<Member> = all.iter().filter(|m| m.id != gone).cloned().collect();
+                for b in 0..256u16 {
+                    let after = home(b, &rest).unwrap();
+                    if before[b as usize] != gone {
+                        assert_eq!(after, before[b as usize], "bucket {b} moved without cause");
+                    } else {
+                        assert_ne!(after, gone);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn homes_spread_by_weight() {
+        let mut m = members(4);
+        m[3].weight = 300; // half of the total
+        let mut count = [0u32; 5];
+        for b in 0..1024u16 {
+            count[home(b, &m).unwrap() as usize] += 1;
+        }
+        assert!((440..=584).contains(&count[4]), "{count:?}");
+        for c in &count[1..4] {
+            assert!((130..=215).contains(c), "{count:?}");
+        }
+        m[3].weight = 0;
+        assert!((0..64u16).all(|b| home(b, &m) != Some(4)));
+        assert_eq!(home(0, &[]), None);
+    }
+
+    #[test]
+    fn budget_is_free_slots_before_a_request_would_wait() {
+        assert_eq!(budget(false, 8, 5.0, 0.0, 0, 1), 3);
+        assert_eq!(budget(false, 8, 5.0, 0.0, 2, 1), 1);
+        assert_eq!(budget(false, 8, 8.0, 0.0, 0, 1), 0);
+        assert_eq!(
+            budget(false, 8, 8.0, 0.0, 0, 3),
+            2,
+            "spill_waiting 3 allows two queued"
+        );
+        assert_eq!(budget(false, 8, 8.0, 5.0, 0, 3), 0);
+        assert_eq!(budget(true, 8, 0.0, 0.0, 0, 1), 0);
+    }
+
+    fn stats(hinted: u64, spilled: u64, picks: [u64; 4]) -> BucketStats {
+        BucketStats {
+            hinted,
+            spilled,
+            picks,
+        }
+    }
+
+    /// The brief's worked example: the home is past its threshold, the next connection of
+    /// the bucket must find the server with no queue and the lowest TTFT warm.
+    #[test]
+    fn a_full_home_gets_the_best_alternate_then_returns() {
+        let m = members(4);
+        let mut a = PoolAffinity::new(HintRange::DEFAULT);
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(60);
+        let b = (0..256u16).find(|b| home(*b, &m) == Some(2)).unwrap();
+        let mut s = vec![BucketStats::default(); 256];
+        let healthy = [
+            load(1, 3, 0.0, 240.0),
+            load(2, 4, 0.0, 200.0),
+            load(3, 5, 0.0, 180.0),
+            load(4, 6, 0.0, 300.0),
+        ];
+        let first = a.update(t0, &m, &healthy, &s, idle);
+        assert_eq!(
+            first.write.len(),
+            256,
+            "every bucket gets its home at first"
+        );
+        assert!(first.spills.is_empty());
+        // One hinted connection reaches the home: the bucket is active.
+        s[b as usize] = stats(1, 0, [1, 0, 0, 0]);
+        let busy = [
+            load(1, 3, 0.0, 240.0),
+            load(2, 0, 3.0, 910.0),
+            load(3, 5, 0.0, 180.0),
+            load(4, 0, 2.0, 300.0),
+        ];
+        let u = a.update(t0 + Duration::from_secs(1), &m, &busy, &s, idle);
+        assert_eq!(
+            u.spills,
+            vec![Spill {
+                bucket: b,
+                from: 2,
+                to: 3,
+                why: "server 2 full".into()
+            }]
+        );
+        assert_eq!(u.write, vec![(b, Bucket { ids: [2, 3, 0, 0] })]);
+        // Home and one alternate both hold the prefix now; nothing changes while it serves.
+        s[b as usize] = stats(3, 2, [1, 2, 0, 0]);
+        let u = a.update(t0 + Duration::from_secs(2), &m, &busy, &s, idle);
+        assert!(u.write.is_empty() && u.spills.is_empty());
+        assert_eq!(
+            u.spilled,
+            vec![Spilled {
+                bucket: b,
+                home: 2,
+                count: 2,
+                to_warm: vec![(3, 2)],
+                by_weight: 0
+            }]
+        );
+        // The home recovers: it takes the bucket back, the alternate stays warm a while,
+        // then goes.
+        s[b as usize] = stats(6, 2, [4, 2, 0, 0]);
+        let u = a.update(t0 + Duration::from_secs(3), &m, &healthy, &s, idle);
+        assert!(u.write.is_empty());
+        let u = a.update(t0 + Duration::from_secs(70), &m, &healthy, &s, idle);
+        assert_eq!(u.write, vec![(b, Bucket { ids: [2, 0, 0, 0] })]);
+    }
+
+    #[test]
+    fn quiet_buckets_and_ineligible_servers_get_no_alternates() {
+        let m = members(3);
+        let mut a = PoolAffinity::new(HintRange::new(20000, 64, 4).unwrap());
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(60);
+        let mut s = vec![BucketStats::default(); 4];
+        let all_full = [
+            load(1, 0, 1.0, 0.0),
+            load(2, 0, 1.0, 0.0),
+            load(3, 0, 1.0, 0.0),
+        ];
+        a.update(t0, &m, &all_full, &s, idle);
+        // No hinted traffic: nothing to spill, however full the homes.
+        let u = a.update(t0, &m, &all_full, &s, idle);
+        assert!(u.spills.is_empty());
+        // Active, but every other server is full too: the program falls back to Maglev.
+        s[0] = stats(1, 1, [0, 0, 0, 0]);
+        let u = a.update(t0, &m, &all_full, &s, idle);
+        assert!(u.spills.is_empty());
+        assert_eq!(u.spilled.len(), 1);
+        // A drained server (not a member) is never an alternate, and loses its homes.
+        let home0 = a.homes()[0];
+        let rest: Vec<Member> = m.iter().filter(|x| x.id != home0).cloned().collect();
+        let open: Vec<Load> = [1, 2, 3]
+            .iter()
+            .map(|id| load(*id, if *id == home0 { 9 } else { 0 }, 0.0, 0.0))
+            .collect();
+        let u = a.update(t0, &rest, &open, &s, idle);
+        assert!(u.spills.iter().all(|s| s.to != home0));
+        assert!(a.homes().iter().all(|h| *h != home0));
+    }
+}
