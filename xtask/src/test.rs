@@ -95,6 +95,10 @@ pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
         .args(["test", "--workspace"])
         .args(cargo_test_args);
 
+    // The Python hint client checks the same published vectors as the Rust side.
+    let mut python = Command::new("python3");
+    python.args(["-m", "unittest", "discover", "-s", "clients/python", "-v"]);
+
     // Steps run in order and stop at the first failure. Later steps (e.g. the
     // benchmark in `--quick` mode) go at the end of this list.
     let steps = vec![
@@ -106,6 +110,11 @@ pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
         Step {
             name: "clippy",
             cmd: clippy,
+            counts_tests: false,
+        },
+        Step {
+            name: "python clients",
+            cmd: python,
             counts_tests: false,
         },
         Step {
