@@ -298,6 +298,11 @@ impl Dataplane {
             }))
     }
 
+    /// The flow table itself, for tools that inspect it and for benchmarks that fill it.
+    pub fn flow_table(&mut self) -> &mut BpfHashMap<MapData, FlowKey, FlowEntry> {
+        &mut self.flows
+    }
+
     /// Writes the candidates of bucket `bucket` of VIP `vip_id`.
     pub fn set_bucket(&mut self, vip_id: u32, bucket: u16, candidates: &Bucket) -> Result<()> {
         self.buckets

@@ -1,0 +1,338 @@
+//! Packet cost under BPF_PROG_TEST_RUN (issue 8, item 1): nanoseconds per packet for each
+//! path of the program, against a bare XDP_PASS program measured the same way in the same
+//! run, with a million flows in the flow table.
+//!
+//! Every packet runs once (`repeat` = 1) and the figure is the mean of the kernel's times
+//! over many distinct flows: with `repeat` > 1 the kernel runs the program again on the
+//! packet it already rewrote, which measures a different path (a rewritten packet is not
+//! ours any more), and a SYN repeated would find the flow its first run opened. The floor
+//! is measured the same way, so the ratios compare like with like; the per-run timer
+//! overhead is in every figure, floor included.
+//!
+//! `cargo bench -p balancer-tests --bench packet_cost [-- --quick]`, as root. Prints a
+//! markdown table and writes it to `target/bench/packet-cost.md`.
+
+use std::{net::IpAddr, path::PathBuf, time::Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use aya::programs::{TestRun, TestRunOptions, Xdp};
+use balancer_agent::{config::Config, dataplane::Dataplane, objects, plan::Ids};
+use balancer_common::{
+    addr_words, hint::HintRange, Bucket, FlowEntry, FlowKey, FAMILY_V4, IPPROTO_TCP,
+};
+use balancer_tests::netns::Netns;
+use etherparse::PacketBuilder;
+
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
+const MAC_A: [u8; 6] = [2, 0, 0, 0, 9, 1];
+const MAC_B: [u8; 6] = [2, 0, 0, 0, 4, 1];
+
+struct Plan {
+    flows: u32,
+    packets: u32,
+}
+
+struct Net {
+    client: IpAddr,
+    vip: IpAddr,
+    backend: IpAddr,
+    other: IpAddr,
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("bench address")
+}
+
+fn main() -> Result<()> {
+    let mut quick = false;
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--quick" => quick = true,
+            "--bench" => {}
+            other => bail!("unknown argument {other:?}; usage: packet_cost [--quick]"),
+        }
+    }
+    let plan = if quick {
+        Plan {
+            flows: 100_000,
+            packets: 2_000,
+        }
+    } else {
+        Plan {
+            flows: 1_000_000,
+            packets: 50_000,
+        }
+    };
+    balancer_tests::require_root()?;
+    let ns = Netns::create("bench")?;
+    for (a, b) in [("g0", "c0"), ("g1", "s0")] {
+        ns.ip(&["link", "add", a, "type", "veth", "peer", "name", b])?;
+        ns.ip(&["link", "set", a, "up"])?;
+        ns.ip(&["link", "set", b, "up"])?;
+    }
+    for (addr, dev) in [
+        ("10.9.0.1/24", "g0"),
+        ("10.4.0.1/24", "g1"),
+        ("fd00:9::1/64", "g0"),
+        ("fd00:4::1/64", "g1"),
+    ] {
+        let mut args = vec!["addr", "add", addr, "dev", dev];
+        if addr.contains(':') {
+            args.push("nodad");
+        }
+        ns.ip(&args)?;
+    }
+    for (addr, dev) in [
+        ("10.4.0.11", "g1"),
+        ("fd00:4::11", "g1"),
+        ("10.9.0.2", "g0"),
+        ("fd00:9::2", "g0"),
+    ] {
+        ns.ip(&[
+            "neigh",
+            "replace",
+            addr,
+            "lladdr",
+            "02:00:00:00:04:11",
+            "dev",
+            dev,
+            "nud",
+            "permanent",
+        ])?;
+    }
+    // The benchmark's clients live in 10.20-21.0.0/16 and fd00:20-21::/32, behind 10.9.0.2.
+    for (net, via) in [
+        ("10.20.0.0/15", "10.9.0.2"),
+        ("fd00:20::/31", "fd00:9::2"),
+    ] {
+        ns.ip(&["route", "add", net, "via", via, "dev", "g0"])?;
+    }
+    ns.sysctl("net.ipv4.ip_forward", "1")?;
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let table = ns.enter(|| measure(&plan))?;
+    drop(ns);
+    println!("{table}");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("packet-cost.md"), &table)?;
+    Ok(())
+}
+
+fn frame(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, syn: bool) -> Vec<u8> {
+    let eth = PacketBuilder::ethernet2(MAC_A, MAC_B);
+    let ipb = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => eth.ipv4(s.octets(), d.octets(), 64),
+        (IpAddr::V6(s), IpAddr::V6(d)) => eth.ipv6(s.octets(), d.octets(), 64),
+        _ => unreachable!("one family per frame"),
+    };
+    let tcp = ipb.tcp(sport, dport, 1, 64240);
+    let tcp = if syn { tcp.syn() } else { tcp.ack(1) };
+    let mut out = Vec::new();
+    tcp.write(&mut out, if syn { b"" } else { b"data: {}\n\n" })
+        .expect("frame");
+    out
+}
+
+/// Runs `frame` once, arriving on `ifindex`; the kernel's time for the run in ns.
+fn run(prog: &Xdp, ifindex: u32, frame: &[u8], want: u32) -> Result<f64> {
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let mut out = vec![0u8; frame.len() + 256];
+    let r = prog.test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        ctx_in: Some(&ctx),
+        ..Default::default()
+    })?;
+    ensure!(
+        r.return_value == want,
+        "verdict {} where {want} was expected, for {:02x?}",
+        r.return_value,
+        &frame[..frame.len().min(54)]
+    );
+    Ok(r.duration.as_nanos() as f64)
+}
+
+fn ifindex(name: &str) -> Result<u32> {
+    let c = std::ffi::CString::new(name)?;
+    // SAFETY: a NUL-terminated string that outlives the call.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    ensure!(i != 0, "no interface {name}");
+    Ok(i)
+}
+
+fn measure(plan: &Plan) -> Result<String> {
+    let nets = [
+        Net {
+            client: ip("10.9.0.2"),
+            vip: ip("192.0.2.60"),
+            backend: ip("10.4.0.11"),
+            other: ip("10.4.0.99"),
+        },
+        Net {
+            client: ip("fd00:9::2"),
+            vip: ip("2001:db8::60"),
+            backend: ip("fd00:4::11"),
+            other: ip("fd00:4::99"),
+        },
+    ];
+    let mut text =
+        String::from("[agent]\ninterfaces = [\"g0\", \"g1\"]\nflow_table_entries = 4194304\n");
+    for (i, n) in nets.iter().enumerate() {
+        text += &format!(
+            "[[pool]]\nname = \"p{i}\"\nvip = \"{}\"\nport = 8000\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+            n.vip, n.backend
+        );
+    }
+    let config = Config::parse(std::path::Path::new("bench.toml"), &text)?;
+    let mut dp = Dataplane::load(config.agent.flow_table_entries)?;
+    let plan_maps = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
+    dp.apply(&plan_maps)?;
+    // Every bucket's home is the one backend, with room to spare: hinted SYNs take the
+    // whole hint path (bucket lookup, budget check, bucket statistics).
+    for vip in &plan_maps.vips {
+        let home = vip.members[0].1;
+        for b in 0..HintRange::DEFAULT.buckets {
+            dp.set_bucket(
+                vip.vip_id,
+                b,
+                &Bucket {
+                    ids: [home, 0, 0, 0],
+                },
+            )?;
+        }
+        dp.set_budget(home, u32::MAX)?;
+    }
+    let (g0, g1) = (ifindex("g0")?, ifindex("g1")?);
+
+    // A million other flows, so lookups walk a full table.
+    let started = Instant::now();
+    let table = dp.flow_table();
+    for i in 0..plan.flows {
+        let key = FlowKey {
+            src: [
+                u32::from_ne_bytes([172, 16, (i >> 16) as u8, (i >> 8) as u8]),
+                0,
+                0,
+                0,
+            ],
+            dst: addr_words(nets[0].vip).0,
+            sport: (i as u16).to_be(),
+            dport: 8000u16.to_be(),
+            proto: IPPROTO_TCP,
+            family: FAMILY_V4,
+            _pad: [0; 2],
+        };
+        let entry = FlowEntry {
+            nat_addr: addr_words(nets[0].backend).0,
+            nat_port: 8000u16.to_be(),
+            backend_id: 1,
+            idle_timeout_s: 600,
+            ..Default::default()
+        };
+        table
+            .insert(key, entry, 0)
+            .context("filling the flow table")?;
+    }
+    eprintln!(
+        "filled {} flows in {:.1} s",
+        plan.flows,
+        started.elapsed().as_secs_f64()
+    );
+
+    let mut pass_obj = aya::Ebpf::load(objects::PASS)?;
+    let pass: &mut Xdp = pass_obj
+        .program_mut("xdp_pass")
+        .context("pass program")?
+        .try_into()?;
+    pass.load()?;
+
+    let mut rows = Vec::new();
+    let k = f64::from(plan.packets);
+    for n in &nets {
+        let fam = if n.client.is_ipv4() { "IPv4" } else { "IPv6" };
+        // Distinct flows: client address and port vary, one run per packet.
+        let client = |i: u32, salt: u32| match n.client {
+            IpAddr::V4(_) => ip(&format!(
+                "10.{}.{}.{}",
+                20 + salt,
+                (i >> 8) & 0xff,
+                i & 0xff
+            )),
+            IpAddr::V6(_) => ip(&format!("fd00:{}::{:x}", 20 + salt, i)),
+        };
+        let mut sums = [0.0f64; 6];
+        let hint = HintRange::DEFAULT;
+        for i in 0..plan.packets {
+            let (c, sport) = (client(i, 0), 40000 + (i % 20000) as u16);
+            sums[0] += run(pass, g0, &frame(c, n.vip, sport, 8000, true), XDP_PASS)?;
+            sums[1] += run(
+                dp.program(),
+                g0,
+                &frame(c, n.other, sport, 80, false),
+                XDP_PASS,
+            )?;
+            sums[2] += run(
+                dp.program(),
+                g0,
+                &frame(c, n.vip, sport, 8000, true),
+                XDP_REDIRECT,
+            )?;
+            sums[3] += run(
+                dp.program(),
+                g0,
+                &frame(c, n.vip, sport, 8000, false),
+                XDP_REDIRECT,
+            )?;
+            sums[4] += run(
+                dp.program(),
+                g1,
+                &frame(n.backend, c, 8000, sport, false),
+                XDP_REDIRECT,
+            )?;
+            let hport = hint.start + (i % u32::from(hint.span)) as u16;
+            sums[5] += run(
+                dp.program(),
+                g0,
+                &frame(client(i, 1), n.vip, hport, 8000, true),
+                XDP_REDIRECT,
+            )?;
+        }
+        let [floor, not_ours, maglev, established, reply, hinted] = sums.map(|s| s / k);
+        let goal = |ratio: f64, max: f64| {
+            format!("<= {max}x: {}", if ratio <= max { "met" } else { "MISSED" })
+        };
+        let mut row = |path: &str, ns: f64, goal: String| {
+            rows.push(format!(
+                "| {fam} | {path} | {ns:.1} | {:.2} | {goal} |",
+                ns / floor
+            ));
+        };
+        row("XDP_PASS program (floor)", floor, String::new());
+        row("not ours (TCP to another address)", not_ours, String::new());
+        row("new SYN through Maglev", maglev, goal(maglev / floor, 6.0));
+        row("new hinted SYN", hinted, goal(hinted / floor, 6.0));
+        row(
+            "established flow, forward",
+            established,
+            goal(established / floor, 3.0),
+        );
+        row(
+            "reply, reverse translation",
+            reply,
+            goal(reply / floor, 3.0),
+        );
+    }
+    let mut out = format!(
+        "Packet cost under BPF_PROG_TEST_RUN: {} other flows in the table; each figure is the mean of {} runs of one packet each (distinct flows), as the kernel timed them.\n\n",
+        plan.flows, plan.packets
+    );
+    out += "| family | path | ns/packet | x floor | goal |\n|---|---|---:|---:|---|\n";
+    for r in rows {
+        out += &r;
+        out.push('\n');
+    }
+    Ok(out)
+}
