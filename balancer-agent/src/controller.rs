@@ -138,7 +138,8 @@ impl Controller {
         let plan = self.ids.plan(&config, &weights, Instant::now())?;
         self.dp.apply(&plan)?;
         self.adopt(config, &plan);
-        self.refresh_affinity();
+        // New configured weights reach the maps now, not at the next fold.
+        self.refresh(true);
         Ok(())
     }
 
@@ -518,6 +519,8 @@ impl Controller {
     /// Takes one round of health-check results (with the model each server was asked for).
     pub fn checked(&mut self, results: Vec<(ServerKey, Option<String>, Result<()>)>) {
         let (fall, rise) = (self.config.agent.fall, self.config.agent.rise);
+        let now = Instant::now();
+        let stale_after = self.scrape_interval() * STALE_INTERVALS;
         let spill: HashMap<&str, u32> = self
             .config
             .pool
@@ -535,15 +538,18 @@ impl Controller {
             if s.model.is_none() {
                 s.model = model;
             }
+            // Busy only on evidence: the last scrape succeeded, is recent, and shows a queue;
+            // and the server took the connection. A server that died with a queue keeps its
+            // last reading, and must not stay UP on it.
+            let queued = s.scrape_error.is_none()
+                && s.reading_at.is_some_and(|t| now.duration_since(t) <= stale_after)
+                && s
+                    .reading
+                    .as_ref()
+                    .is_some_and(|r| r.waiting >= f64::from(spill_waiting));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
-                Err(_)
-                    if s.reading
-                        .as_ref()
-                        .is_some_and(|r| r.waiting >= f64::from(spill_waiting)) =>
-                {
-                    Outcome::Busy
-                }
+                Err(e) if queued && !refused(e) => Outcome::Busy,
                 Err(_) => Outcome::Failed,
             };
             s.health = match (&result, outcome) {
@@ -733,6 +739,16 @@ impl Controller {
             message: format!("{e:#}"),
         })
     }
+}
+
+/// The server refused the connection: nothing listens, which no queue explains.
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<reqwest::Error>()
+            .is_some_and(|r| r.is_connect())
+            || c.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
 }
 
 fn thresholds(pool: &Pool) -> Thresholds {

@@ -2,16 +2,16 @@
 //! the configuration file, signals, and its log.
 
 use std::marker::PhantomData;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::process::{Process, STOP_GRACE};
+use crate::process::{run, Process, STOP_GRACE};
 use crate::topology::{Family, Topology, BACKENDS, BACKEND_PORT, GATEWAY_INTERFACES, METRICS_PORT};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -25,17 +25,48 @@ pub struct AgentConfig {
     pub pools: Vec<Pool>,
 }
 
+/// `[agent]`; a key left `None` is not written, so that the agent's default applies.
 #[derive(Debug, Clone, Serialize)]
 pub struct AgentSection {
     pub interfaces: Vec<String>,
     pub control_socket: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scrape_interval_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_interval_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_timeout_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fall: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rise: Option<u32>,
 }
 
+/// `[[pool]]`; as in [`AgentSection`], `None` keys are left to the agent's defaults.
 #[derive(Debug, Clone, Serialize)]
 pub struct Pool {
     pub name: String,
     pub vip: IpAddr,
     pub port: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spill_waiting: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spill_ttft_ms: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_high: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dialect: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Requests each server runs at once: a bucket's home takes this many hinted
+    /// connections before it spills (learned from the highest running count when absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
+    /// Source ports that carry prefix hints, "FIRST-LAST" or "off".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint_ports: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint_buckets: Option<u16>,
     #[serde(rename = "server")]
     pub servers: Vec<Server>,
 }
@@ -56,6 +87,14 @@ impl AgentConfig {
             name: name.to_owned(),
             vip: family.vip().ip(),
             port: family.vip().port(),
+            spill_waiting: None,
+            spill_ttft_ms: None,
+            kv_high: None,
+            dialect: None,
+            model: None,
+            slots: None,
+            hint_ports: None,
+            hint_buckets: None,
             servers: weights
                 .iter()
                 .enumerate()
@@ -71,6 +110,11 @@ impl AgentConfig {
             agent: AgentSection {
                 interfaces: GATEWAY_INTERFACES.map(String::from).to_vec(),
                 control_socket: topology.dir().join("agent.sock"),
+                scrape_interval_ms: None,
+                health_interval_ms: None,
+                health_timeout_ms: None,
+                fall: None,
+                rise: None,
             },
             pools: vec![pool("chat-v4", Family::V4), pool("chat-v6", Family::V6)],
         }
@@ -83,13 +127,65 @@ impl AgentConfig {
         }
     }
 
-    /// Writes the file whole or not at all, so that the agent never reads half of it.
+    /// The file's text.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).context("serialising the agent config")
+    }
+
     fn write(&self, path: &Path) -> Result<()> {
-        let text = toml::to_string(self).context("serialising the agent config")?;
-        let partial = path.with_extension("partial");
-        std::fs::write(&partial, text)?;
-        std::fs::rename(&partial, path)?;
-        Ok(())
+        write_whole(path, &self.to_toml()?)
+    }
+}
+
+/// Writes the file whole or not at all, so that the agent never reads half of it.
+fn write_whole(path: &Path, text: &str) -> Result<()> {
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, text)?;
+    std::fs::rename(&partial, path)?;
+    Ok(())
+}
+
+/// A pool as `balancer-agent show pool POOL --json` prints it: the fields the tests read
+/// (others are ignored).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ShownPool {
+    pub pool: String,
+    pub vip: String,
+    pub servers: Vec<ShownServer>,
+}
+
+/// One server of [`ShownPool`]; `None` is a signal the server does not publish (or has not
+/// yet).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ShownServer {
+    /// `address:port`.
+    pub server: String,
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    pub kv_mem: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    /// `UP`, `DOWN` or `DRAINING`.
+    pub state: String,
+    pub weight: u32,
+    pub flows: u64,
+    pub reason: String,
+    pub dialect: Option<String>,
+    pub metrics_age_ms: Option<u64>,
+    pub scrape_error: Option<String>,
+    pub health: String,
+}
+
+impl ShownPool {
+    /// The row of the server at `address` (with or without the port).
+    pub fn server(&self, address: IpAddr) -> Result<&ShownServer> {
+        self.servers
+            .iter()
+            .find(|s| {
+                s.server
+                    .parse::<SocketAddr>()
+                    .is_ok_and(|a| a.ip() == address)
+            })
+            .with_context(|| format!("pool {} shows no server {address}", self.pool))
     }
 }
 
@@ -98,6 +194,8 @@ impl AgentConfig {
 pub struct Agent<'t> {
     process: Process,
     config: PathBuf,
+    binary: PathBuf,
+    socket: PathBuf,
     _topology: PhantomData<&'t Topology>,
 }
 
@@ -116,25 +214,66 @@ impl<'t> Agent<'t> {
         Ok(Self {
             process,
             config: path,
+            binary: binary.to_owned(),
+            socket: config.agent.control_socket.clone(),
             _topology: PhantomData,
         })
     }
 
     /// Rewrites the config file, sends SIGHUP and waits for the agent to report the reload.
     pub fn reload(&mut self, config: &AgentConfig) -> Result<()> {
-        config.write(&self.config)?;
-        let mark = self.process.output_len();
-        self.process.signal(libc::SIGHUP)?;
-        let line = self.process.wait_for_line(mark, RELOAD_TIMEOUT, |line| {
-            line.contains("config reloaded") || line.contains("reload failed")
-        })?;
+        let line = self.reload_text(&config.to_toml()?)?;
         ensure!(line.contains("config reloaded"), "agent: {line}");
         Ok(())
+    }
+
+    /// Writes `text` as the config file, sends SIGHUP, and returns the line in which the
+    /// agent reports the outcome (`config reloaded` or `reload failed ...`).
+    pub fn reload_text(&mut self, text: &str) -> Result<String> {
+        write_whole(&self.config, text)?;
+        let mark = self.process.output_len();
+        self.process.signal(libc::SIGHUP)?;
+        self.process.wait_for_line(mark, RELOAD_TIMEOUT, |line| {
+            line.contains("config reloaded") || line.contains("reload failed")
+        })
     }
 
     /// Everything the agent has logged so far.
     pub fn log(&self) -> String {
         self.process.output()
+    }
+
+    /// Where the log ends now, for [`Agent::wait_for_log`].
+    pub fn log_len(&self) -> u64 {
+        self.process.output_len()
+    }
+
+    /// Waits until the agent logs, at or after byte `from`, a line that satisfies `pred`.
+    pub fn wait_for_log(
+        &mut self,
+        from: u64,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        self.process.wait_for_line(from, timeout, pred)
+    }
+
+    /// The CLI, `balancer-agent ARGS... --socket SOCKET`, to spawn.
+    pub fn cli_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(args).arg("--socket").arg(&self.socket);
+        cmd
+    }
+
+    /// Runs the CLI to completion; returns its output, or fails with its error line.
+    pub fn cli(&self, args: &[&str]) -> Result<String> {
+        run(&mut self.cli_command(args))
+    }
+
+    /// `balancer-agent show pool POOL --json`.
+    pub fn show(&self, pool: &str) -> Result<ShownPool> {
+        let text = self.cli(&["show", "pool", pool, "--json"])?;
+        serde_json::from_str(&text).with_context(|| format!("show --json printed {text:?}"))
     }
 
     /// SIGTERM; the agent must exit cleanly within the grace period.

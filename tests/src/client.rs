@@ -19,8 +19,12 @@ const MAX_RESPONSE: u64 = 64 * 1024;
 /// misbehaving server can keep a reader busy.
 const MAX_LINES_PER_EVENT: usize = 8;
 
-/// Connects to `server` from `src_port` (0: any port).
-fn connect(server: SocketAddr, src_port: u16) -> Result<TcpStream> {
+/// Connects to `server` from `src_port` (0: any port) within `timeout`.
+pub(crate) fn connect_from(
+    server: SocketAddr,
+    src_port: u16,
+    timeout: Duration,
+) -> Result<TcpStream> {
     let socket = Socket::new(
         Domain::for_address(server),
         Type::STREAM,
@@ -34,9 +38,14 @@ fn connect(server: SocketAddr, src_port: u16) -> Result<TcpStream> {
         .bind(&SocketAddr::new(any, src_port).into())
         .with_context(|| format!("binding source port {src_port}"))?;
     socket
-        .connect_timeout(&server.into(), TIMEOUT)
+        .connect_timeout(&server.into(), timeout)
         .with_context(|| format!("connecting to {server} from port {src_port}"))?;
-    let stream = TcpStream::from(socket);
+    Ok(TcpStream::from(socket))
+}
+
+/// Connects to `server` from `src_port` (0: any port), with every read and write bounded.
+fn connect(server: SocketAddr, src_port: u16) -> Result<TcpStream> {
+    let stream = connect_from(server, src_port, TIMEOUT)?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
     Ok(stream)

@@ -4,9 +4,12 @@
 //! removes it, also when a test fails.
 
 pub mod agent;
+pub mod backends;
 pub mod client;
+pub mod llama;
 pub mod netns;
 pub mod process;
+pub mod real_backend;
 pub mod sim;
 pub mod topology;
 

@@ -79,8 +79,10 @@ fn switch_port(index: usize) -> String {
 ///
 /// Nothing routes out of these namespaces. Every veth end has tx checksum offload off: XDP
 /// on veth would otherwise see CHECKSUM_PARTIAL packets and the balancer's incremental
-/// checksum updates would come out wrong. Dropping the topology stops its processes and
-/// deletes the namespaces, and prints the processes' logs if the thread is panicking.
+/// checksum updates would come out wrong. The backends run `sse-server`
+/// ([`Topology::build`]) or what the caller starts there ([`Topology::build_bare`]).
+/// Dropping the topology stops its processes and deletes the namespaces, and prints the
+/// logs in its directory if the thread is panicking.
 pub struct Topology {
     client: Netns,
     gw: Netns,
@@ -93,9 +95,18 @@ impl Topology {
     /// Builds the namespaces and links, checks that the neighbours can reach each other, and
     /// starts `sse_server` in every backend.
     pub fn build(sse_server: &Path) -> Result<Self> {
+        let mut topology = Self::build_bare()?;
+        topology.start_backends(sse_server)?;
+        Ok(topology)
+    }
+
+    /// Like [`Topology::build`], but starts no server in the backends: the caller runs its
+    /// own there (with [`Netns::command`] on [`Topology::backend`]), as processes that it
+    /// owns and may stop and restart.
+    pub fn build_bare() -> Result<Self> {
         crate::require_root()?;
         sweep_stale()?;
-        let mut topology = Self {
+        let topology = Self {
             client: Netns::create("client")?,
             gw: Netns::create("gw")?,
             sw: Netns::create("sw")?,
@@ -108,7 +119,6 @@ impl Topology {
         topology
             .check_reachability()
             .context("checking the topology")?;
-        topology.start_backends(sse_server)?;
         Ok(topology)
     }
 

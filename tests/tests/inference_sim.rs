@@ -779,3 +779,52 @@ fn faults_from_the_command_line_and_exit() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("explode"));
 }
+
+#[test]
+fn a_name_is_on_every_api_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let named = start(&dir, "named", &["--name", "b7"]);
+    let ok = client::post(named.api, "/v1/completions", &completion("x", 2, false)).unwrap();
+    let stream = Stream::open(named.api, "/v1/completions", &completion("x", 2, true)).unwrap();
+    let missing = client::get(named.api, "/nowhere").unwrap();
+    named.fault(&json!({"kind": "status_503"})).unwrap();
+    let refused = client::get(named.api, "/health").unwrap();
+    for (what, head, status) in [
+        ("completion", &ok.head, 200),
+        ("stream", &stream.head, 200),
+        ("404", &missing.head, 404),
+        ("503 fault", &refused.head, 503),
+    ] {
+        assert_eq!(head.status, status, "{what}");
+        assert_eq!(head.header("x-backend"), Some("b7"), "{what}");
+    }
+    let anonymous = start(&dir, "anonymous", &[]);
+    let reply = client::get(anonymous.api, "/health").unwrap();
+    assert_eq!(reply.head.header("x-backend"), None);
+}
+
+#[test]
+fn metrics_faults_break_the_numbers_or_the_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = start(&dir, "log", &["--dialect", "sglang"]);
+    let clean = sim.scrape().unwrap();
+
+    sim.fault(&json!({"kind": "metrics_nan"})).unwrap();
+    let scrape = parse(&sim.scrape().unwrap());
+    assert!(value(&scrape, "sglang:num_running_reqs").is_nan());
+    assert_eq!(value(&scrape, "sglang:num_queue_reqs"), 0.0);
+
+    sim.fault(&json!({"kind": "metrics_negative"})).unwrap();
+    let scrape = parse(&sim.scrape().unwrap());
+    assert_eq!(value(&scrape, "sglang:num_running_reqs"), 0.0);
+    assert_eq!(value(&scrape, "sglang:num_queue_reqs"), -1.0);
+
+    sim.fault(&json!({"kind": "metrics_huge"})).unwrap();
+    let huge = sim.scrape().unwrap();
+    assert_eq!(huge.len(), 10_000_000);
+    // The exposition, then nothing but comments.
+    assert_eq!(parse(&huge).samples.len(), parse(&clean).samples.len());
+
+    sim.fault(&json!({"kind": "none"})).unwrap();
+    assert_eq!(sim.scrape().unwrap().len(), clean.len());
+}

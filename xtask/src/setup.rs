@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{bail, ensure, Context as _, Result};
 
-use crate::cmd;
+use crate::{cmd, real_backend};
 
 /// Fixed location because its `lib/` becomes bpf-linker's RUNPATH: moving or
 /// deleting it breaks the installed binary.
@@ -55,6 +55,7 @@ pub fn run(dry_run: bool) -> Result<()> {
     setup.bpf_linker()?;
     setup.debian_packages()?;
     setup.bpffs()?;
+    setup.real_backend()?;
     Ok(())
 }
 
@@ -232,6 +233,25 @@ impl Setup {
         }
         self.need(what)?;
         self.exec(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
+    }
+
+    /// The real backend (llama-server + model) of the e2e_real tests, built or unpacked into
+    /// its cache when missing; a quick check when present (`real_backend.rs`).
+    fn real_backend(&self) -> Result<()> {
+        let what = real_backend::describe();
+        if self.mode == Mode::DryRun {
+            if real_backend::is_present() {
+                self.ok(&what);
+            } else {
+                self.need(&what)?;
+                println!("  would run: cargo xtask real-backend");
+            }
+            return Ok(());
+        }
+        println!("real backend (llama-server + model):");
+        real_backend::ensure_present()?;
+        self.ok(&what);
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use axum::http::HeaderValue;
 use balancer_tests::sim::api::{api_router, metrics_router, App};
 use balancer_tests::sim::engine::{Config, Engine, Sim};
 use balancer_tests::sim::faults::Fault;
@@ -27,7 +28,8 @@ use tokio::task::JoinSet;
                   {\"kind\": KIND, ...}): hang_before_first_token, \
                   stall_mid_stream[:after_tokens=N], status_500, status_503, \
                   close_mid_stream[:after_tokens=N], slow_metrics[:delay_ms=N], \
-                  garbage_metrics, exit[:after_ms=N,code=N], none."
+                  garbage_metrics, metrics_nan, metrics_negative, metrics_huge[:bytes=N], \
+                  exit[:after_ms=N,code=N], none."
 )]
 struct Args {
     /// API address and port; repeat for several (e.g. an IPv4 and an IPv6 one).
@@ -42,6 +44,9 @@ struct Args {
     /// The served model name.
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// This server's name, sent in an `x-backend` header on every API response.
+    #[arg(long)]
+    name: Option<String>,
     /// Most sequences in a batch (vLLM --max-num-seqs, llama.cpp -np).
     #[arg(long, default_value_t = Config::default().max_running)]
     max_running: usize,
@@ -85,7 +90,11 @@ async fn main() -> anyhow::Result<()> {
         seed: args.seed,
     };
     let engine = Engine::new(config, args.dialect.buckets()).map_err(anyhow::Error::msg)?;
-    let app = App::new(Sim::start(engine), args.dialect, args.model);
+    let name = args
+        .name
+        .map(|name| HeaderValue::try_from(name).context("--name: not a valid header value"))
+        .transpose()?;
+    let app = App::new(Sim::start(engine), args.dialect, args.model, name);
     for fault in args.faults {
         app.apply(fault);
     }

@@ -9,6 +9,9 @@
 //!
 //! `temperature` is validated and otherwise ignored: the output is a function of the prompt
 //! and the seed only.
+//!
+//! With a name (`--name`), every API response carries it in an `x-backend` header, so that a
+//! test behind a load balancer can tell which server answered.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +32,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::engine::{Event, FinishReason, Request, Sim, Usage};
 use super::faults::{Fault, Faults};
-use super::metrics::{Dialect, Identity, State as EngineState};
+use super::metrics::{padded, with_value, Dialect, Identity, State as EngineState};
 use super::text::tokenize;
 
 /// What every handler shares.
@@ -37,12 +40,14 @@ pub struct App {
     sim: Sim,
     dialect: Dialect,
     identity: Identity,
+    /// The `x-backend` header of every API response.
+    name: Option<HeaderValue>,
     faults: Mutex<Faults>,
     next_id: AtomicU64,
 }
 
 impl App {
-    pub fn new(sim: Sim, dialect: Dialect, model: String) -> Arc<Self> {
+    pub fn new(sim: Sim, dialect: Dialect, model: String, name: Option<HeaderValue>) -> Arc<Self> {
         Arc::new(Self {
             sim,
             dialect,
@@ -50,6 +55,7 @@ impl App {
                 model,
                 pid: std::process::id(),
             },
+            name,
             faults: Mutex::new(Faults::default()),
             next_id: AtomicU64::new(1),
         })
@@ -92,7 +98,19 @@ pub fn api_router(app: Arc<App>) -> Router {
         // The exposition is outside the fault layer: status faults are the API's.
         .route(metrics_path, get(metrics))
         .fallback(not_found)
+        // Last, so that it covers every route, the fallback and the status faults.
+        .layer(middleware::map_response_with_state(
+            app.clone(),
+            name_header,
+        ))
         .with_state(app)
+}
+
+async fn name_header(State(app): State<Arc<App>>, mut response: Response) -> Response {
+    if let Some(name) = &app.name {
+        response.headers_mut().insert("x-backend", name.clone());
+    }
+    response
 }
 
 pub fn metrics_router(app: Arc<App>) -> Router {
@@ -193,6 +211,15 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     let text = {
         let mut engine = app.sim.engine();
         app.dialect.render(&mut engine, &app.identity)
+    };
+    let (running, waiting) = app.dialect.load_metrics();
+    let text = match fault {
+        Some(Fault::MetricsNan) => with_value(&text, running, "NaN"),
+        Some(Fault::MetricsNegative) => with_value(&text, waiting, "-1"),
+        Some(Fault::MetricsHuge { bytes }) => {
+            padded(text, usize::try_from(bytes).unwrap_or(usize::MAX))
+        }
+        _ => text,
     };
     (
         [(

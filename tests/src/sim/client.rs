@@ -1,6 +1,7 @@
 //! A small blocking HTTP/1.1 client for the simulator: plain requests, and completion streams
 //! read event by event as they arrive. Every request has its own connection (`Connection:
-//! close`), and every read is bounded by a timeout.
+//! close`), and every read is bounded by a timeout. The `_from` variants choose the source
+//! port, for requests through a balancer that hashes it.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -14,9 +15,9 @@ pub const TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_BODY: u64 = 16 << 20;
 const MAX_HEAD_LINES: usize = 64;
 
-fn connect(addr: SocketAddr) -> Result<TcpStream> {
-    let stream = TcpStream::connect_timeout(&addr, TIMEOUT)
-        .with_context(|| format!("connecting to {addr}"))?;
+/// Connects to `addr` from `src_port` (0: any port).
+fn connect(addr: SocketAddr, src_port: u16) -> Result<TcpStream> {
+    let stream = crate::client::connect_from(addr, src_port, TIMEOUT)?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;
     stream.set_nodelay(true)?;
@@ -82,7 +83,7 @@ impl Head {
     }
 
     /// The body that follows this head: chunked, sized, or up to the end of the connection.
-    fn body<R: BufRead + 'static>(&self, reader: R) -> Result<Box<dyn Read>> {
+    fn body<R: BufRead + Send + 'static>(&self, reader: R) -> Result<Box<dyn Read + Send>> {
         if self.header("transfer-encoding") == Some("chunked") {
             return Ok(Box::new(Chunked::new(reader)));
         }
@@ -112,7 +113,18 @@ impl Reply {
 
 /// `method path` with an optional JSON body; reads the whole response.
 pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Result<Reply> {
-    let mut stream = connect(addr)?;
+    request_from(addr, 0, method, path, body)
+}
+
+/// [`request`] from source port `src_port` (0: any).
+pub fn request_from(
+    addr: SocketAddr,
+    src_port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<Reply> {
+    let mut stream = connect(addr, src_port)?;
     send(&mut stream, method, path, body)?;
     let mut reader = BufReader::new(stream);
     let head = Head::read(&mut reader)?;
@@ -134,7 +146,7 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<Reply> {
 
 /// Sends raw bytes and returns everything the server answers until it closes.
 pub fn raw(addr: SocketAddr, bytes: &[u8]) -> Result<String> {
-    let mut stream = connect(addr)?;
+    let mut stream = connect(addr, 0)?;
     stream.write_all(bytes)?;
     let mut answer = Vec::new();
     stream.take(MAX_BODY).read_to_end(&mut answer)?;
@@ -150,7 +162,7 @@ pub enum Item {
 
 /// A streaming completion (`"stream": true`), read as the server writes it.
 pub struct Stream {
-    lines: BufReader<Box<dyn Read>>,
+    lines: BufReader<Box<dyn Read + Send>>,
     socket: TcpStream,
     pub head: Head,
     done: bool,
@@ -159,7 +171,12 @@ pub struct Stream {
 impl Stream {
     /// POSTs `body` to `path` and reads the response head, which must be an event stream.
     pub fn open(addr: SocketAddr, path: &str, body: &Value) -> Result<Self> {
-        let mut stream = connect(addr)?;
+        Self::open_from(addr, 0, path, body)
+    }
+
+    /// [`Stream::open`] from source port `src_port` (0: any).
+    pub fn open_from(addr: SocketAddr, src_port: u16, path: &str, body: &Value) -> Result<Self> {
+        let mut stream = connect(addr, src_port)?;
         send(&mut stream, "POST", path, Some(&body.to_string()))?;
         let socket = stream.try_clone()?;
         let mut reader = BufReader::new(stream);

@@ -219,7 +219,13 @@ impl Seq {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Load {
     pub running: usize,
+    /// Requests in the queue now, including those that arrived during the current step.
     pub waiting: usize,
+    /// Requests the scheduler left waiting at its last step (arrivals since are not counted
+    /// until the next step looks at them): what a real server's gauge shows, since vLLM,
+    /// SGLang and the others publish their queue length from each step's statistics. A
+    /// request that arrives while a step computes is not queued for lack of room.
+    pub queued: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
     /// Referenced blocks, 0 to 1.
@@ -236,6 +242,8 @@ pub struct Engine {
     running: Vec<Seq>,
     freeze: Option<Freeze>,
     step_open: bool,
+    /// When the scheduler last admitted from the queue ([`Engine::plan`]).
+    last_plan: Option<Duration>,
     /// Counters and histograms for the metrics endpoint.
     pub stats: Stats,
 }
@@ -251,6 +259,7 @@ impl Engine {
             running: Vec::new(),
             freeze: None,
             step_open: false,
+            last_plan: None,
             stats: Stats::new(buckets),
         })
     }
@@ -308,6 +317,11 @@ impl Engine {
         Load {
             running: self.running.len(),
             waiting: self.waiting.len(),
+            queued: self
+                .waiting
+                .iter()
+                .filter(|s| s.admitted.is_some() || self.last_plan.is_some_and(|t| s.arrived <= t))
+                .count(),
             kv_blocks_used: self.pool.used(),
             kv_blocks_total: self.pool.total(),
             kv_usage: self.pool.usage(),
@@ -331,6 +345,7 @@ impl Engine {
         assert!(!self.step_open, "plan() twice without complete()");
         self.reap();
         self.admit(now);
+        self.last_plan = Some(now);
         self.grow();
         let (mut members, mut prefill, mut decoders) = (0, 0, 0);
         for seq in &mut self.running {
@@ -765,6 +780,41 @@ mod tests {
         assert_eq!((e.load().running, e.load().waiting), (0, 0));
         // Queue time is recorded for everyone; the last pair waited longest.
         assert_eq!(e.stats.queue_time.count(), 6);
+    }
+
+    /// The published queue is the one the scheduler left: an arrival during a step is not
+    /// queued for lack of room until the next step finds none for it.
+    #[test]
+    fn the_published_queue_is_the_schedulers() {
+        let mut e = engine(Config {
+            max_running: 2,
+            ..Config::default()
+        });
+        let mut now = Duration::ZERO;
+        let _clients: Vec<Client> = (0..3)
+            .map(|i| Client::submit(&mut e, now, request(words(100, &format!("q{i}-")), 50)))
+            .collect();
+        assert_eq!(
+            (e.load().waiting, e.load().queued),
+            (3, 0),
+            "not scheduled yet"
+        );
+        let step = e.plan(now).unwrap();
+        assert_eq!((e.load().waiting, e.load().queued), (1, 1));
+        let _late = Client::submit(&mut e, now + step / 2, request(words(100, "late"), 50));
+        assert_eq!(
+            (e.load().waiting, e.load().queued),
+            (2, 1),
+            "arrived mid-step"
+        );
+        now += step;
+        e.complete(now);
+        e.plan(now).unwrap();
+        assert_eq!(
+            (e.load().waiting, e.load().queued),
+            (2, 2),
+            "no room at the next step"
+        );
     }
 
     #[test]

@@ -13,6 +13,9 @@
 //! | `close_mid_stream` (`after_tokens`, default 1) | request | the connection closes after that many tokens, without `[DONE]` |
 //! | `slow_metrics` (`delay_ms`, default 5000) | metrics | `/metrics` answers after the delay |
 //! | `garbage_metrics` | metrics | `/metrics` answers 200 with text that is not Prometheus |
+//! | `metrics_nan` | metrics | `/metrics` answers the exposition with the running gauge at `NaN` |
+//! | `metrics_negative` | metrics | `/metrics` answers the exposition with the waiting gauge at `-1` |
+//! | `metrics_huge` (`bytes`, default 10000000) | metrics | `/metrics` answers the exposition padded with comment lines to that many bytes |
 //! | `exit` (`after_ms` default 0, `code` default 1) | - | the process exits |
 //! | `none` | - | clears the faults |
 //!
@@ -43,6 +46,12 @@ pub enum Fault {
         delay_ms: u64,
     },
     GarbageMetrics,
+    MetricsNan,
+    MetricsNegative,
+    MetricsHuge {
+        #[serde(default = "ten_megabytes")]
+        bytes: u64,
+    },
     Exit {
         #[serde(default)]
         after_ms: u64,
@@ -58,6 +67,10 @@ fn one() -> u32 {
 
 fn five_seconds() -> u64 {
     5000
+}
+
+fn ten_megabytes() -> u64 {
+    10_000_000
 }
 
 fn exit_code() -> i32 {
@@ -99,7 +112,11 @@ impl Faults {
             | Fault::Status500
             | Fault::Status503
             | Fault::CloseMidStream { .. } => self.request = Some(fault),
-            Fault::SlowMetrics { .. } | Fault::GarbageMetrics => self.metrics = Some(fault),
+            Fault::SlowMetrics { .. }
+            | Fault::GarbageMetrics
+            | Fault::MetricsNan
+            | Fault::MetricsNegative
+            | Fault::MetricsHuge { .. } => self.metrics = Some(fault),
             Fault::None => *self = Self::default(),
             Fault::Exit { .. } => {}
         }
@@ -140,6 +157,13 @@ mod tests {
         let json: Fault =
             serde_json::from_str(r#"{"kind":"slow_metrics","delay_ms":250}"#).unwrap();
         assert_eq!(json, Fault::SlowMetrics { delay_ms: 250 });
+        assert_eq!(Fault::parse_cli("metrics_nan").unwrap(), Fault::MetricsNan);
+        assert_eq!(
+            Fault::parse_cli("metrics_huge").unwrap(),
+            Fault::MetricsHuge { bytes: 10_000_000 }
+        );
+        let json: Fault = serde_json::from_str(r#"{"kind":"metrics_huge","bytes":5000}"#).unwrap();
+        assert_eq!(json, Fault::MetricsHuge { bytes: 5000 });
         for bad in [
             "explode",
             "stall_mid_stream:after=1",
@@ -160,6 +184,9 @@ mod tests {
         assert_eq!(faults.freeze(), None);
         assert_eq!(faults.request, Some(Fault::Status500));
         assert_eq!(faults.metrics, Some(Fault::GarbageMetrics));
+        faults.apply(Fault::MetricsNegative);
+        assert_eq!(faults.metrics, Some(Fault::MetricsNegative));
+        assert_eq!(faults.request, Some(Fault::Status500));
         faults.apply(Fault::None);
         assert_eq!(faults, Faults::default());
     }

@@ -35,7 +35,13 @@ impl SimServer {
         if !args.contains(&"--metrics-port") {
             cmd.args(["--metrics-port", "0"]);
         }
-        let mut process = Process::spawn("inference-sim", cmd, log)?;
+        Self::spawn("inference-sim", cmd, log)
+    }
+
+    /// Starts `cmd`, a complete simulator command line (for instance one that runs it in a
+    /// network namespace), and waits until it serves. `name` names it in errors.
+    pub fn spawn(name: &str, cmd: Command, log: &Path) -> Result<Self> {
+        let mut process = Process::spawn(name, cmd, log)?;
         process.wait_for_line(0, READY_TIMEOUT, |line| line.trim_end() == "ready")?;
         let output = process.output();
         let listener = |role: &str| -> Result<SocketAddr> {

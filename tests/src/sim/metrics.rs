@@ -258,6 +258,18 @@ impl Dialect {
         }
     }
 
+    /// The gauges of running and waiting requests, the two signals every dialect has.
+    pub fn load_metrics(self) -> (&'static str, &'static str) {
+        match self {
+            Dialect::Vllm => ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+            Dialect::Sglang => ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+            Dialect::Tgi => ("tgi_batch_current_size", "tgi_queue_size"),
+            Dialect::Llamacpp => ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+            Dialect::Trtllm => ("trtllm_num_requests_running", "trtllm_num_requests_waiting"),
+            Dialect::Plain => ("inference_requests_running", "inference_requests_waiting"),
+        }
+    }
+
     /// The exposition, in Prometheus text format 0.0.4. Takes the engine mutably because
     /// llama.cpp's throughput gauges restart their window at every scrape.
     pub fn render(self, engine: &mut Engine, identity: &Identity) -> String {
@@ -377,7 +389,7 @@ fn vllm(out: &mut Exposition, e: &Engine, id: &Identity) {
         out,
         "vllm:num_requests_waiting",
         "Number of requests waiting to be processed.",
-        load.waiting as f64,
+        load.queued as f64,
     );
     gauge(
         out,
@@ -478,7 +490,7 @@ fn sglang(out: &mut Exposition, e: &Engine, id: &Identity) {
         ("sglang:num_running_reqs", load.running as f64),
         ("sglang:num_used_tokens", used_tokens as f64),
         ("sglang:token_usage", load.kv_usage),
-        ("sglang:num_queue_reqs", load.waiting as f64),
+        ("sglang:num_queue_reqs", load.queued as f64),
         ("sglang:cache_hit_rate", s.last_batch_hit_rate),
         ("sglang:max_total_num_tokens", capacity as f64),
     ] {
@@ -513,7 +525,7 @@ fn tgi(out: &mut Exposition, e: &Engine) {
     // metrics-exporter-prometheus separates metrics with a blank line.
     for (name, kind, value) in [
         ("tgi_batch_current_size", "gauge", load.running as f64),
-        ("tgi_queue_size", "gauge", load.waiting as f64),
+        ("tgi_queue_size", "gauge", load.queued as f64),
         (
             "tgi_batch_current_max_tokens",
             "gauge",
@@ -613,7 +625,7 @@ fn llamacpp(out: &mut Exposition, e: &mut Engine) {
         (
             "requests_deferred",
             "Number of requests deferred",
-            load.waiting as f64,
+            load.queued as f64,
         ),
         (
             "n_busy_slots_per_decode",
@@ -650,7 +662,7 @@ fn trtllm(out: &mut Exposition, e: &Engine, id: &Identity) {
     };
     for (name, value) in [
         ("trtllm_num_requests_running", load.running as f64),
-        ("trtllm_num_requests_waiting", load.waiting as f64),
+        ("trtllm_num_requests_waiting", load.queued as f64),
         ("trtllm_kv_cache_utilization", load.kv_usage),
         ("trtllm_kv_cache_hit_rate", hit_rate),
     ] {
@@ -712,8 +724,49 @@ fn plain(out: &mut Exposition, e: &Engine) {
         Some("Requests waiting for a slot"),
         "gauge",
         &[],
-        load.waiting as f64,
+        load.queued as f64,
     );
+}
+
+/// `text` with the value of every sample of `metric` replaced by `value`: the exposition of
+/// an exporter that publishes a broken number (`NaN`, a negative count).
+pub fn with_value(text: &str, metric: &str, value: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let name = line.split(['{', ' ']).next().unwrap_or_default();
+        match line.rsplit_once(' ') {
+            Some((head, _)) if name == metric && !line.starts_with('#') => {
+                out.push_str(head);
+                out.push(' ');
+                out.push_str(value);
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// `text` followed by comment lines up to exactly `bytes` bytes (or `text` alone if it is
+/// longer): a valid exposition of a size no scraper should accept.
+pub fn padded(mut text: String, bytes: usize) -> String {
+    const LINE: &str =
+        "# padding: an exporter that keeps talking ....................................\n";
+    text.reserve(bytes.saturating_sub(text.len()));
+    while text.len() + LINE.len() <= bytes {
+        text.push_str(LINE);
+    }
+    // One shorter comment line makes the length exact.
+    match bytes.saturating_sub(text.len()) {
+        0 => {}
+        1 => text.push('\n'),
+        rest => {
+            text.push('#');
+            text.push_str(&" ".repeat(rest - 2));
+            text.push('\n');
+        }
+    }
+    text
 }
 
 /// The engine's picture as `GET /admin/state` shows it, for tests to compare with what a
@@ -722,6 +775,7 @@ fn plain(out: &mut Exposition, e: &Engine) {
 pub struct State {
     pub dialect: Dialect,
     pub running: usize,
+    /// As the waiting gauges: the queue the scheduler left at its last step.
     pub waiting: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
@@ -745,7 +799,7 @@ impl State {
         Self {
             dialect,
             running: load.running,
-            waiting: load.waiting,
+            waiting: load.queued,
             kv_blocks_used: load.kv_blocks_used,
             kv_blocks_total: load.kv_blocks_total,
             kv_usage: load.kv_usage,
@@ -790,6 +844,57 @@ mod tests {
             "{}",
             TGI_DURATION[34]
         );
+    }
+
+    #[test]
+    fn every_dialect_publishes_its_load_metrics_and_they_can_be_broken() {
+        let identity = Identity {
+            model: "m".into(),
+            pid: 1,
+        };
+        for dialect in Dialect::ALL {
+            let mut engine =
+                Engine::new(crate::sim::engine::Config::default(), dialect.buckets()).unwrap();
+            let text = dialect.render(&mut engine, &identity);
+            let (running, waiting) = dialect.load_metrics();
+            let samples = |text: &str, name: &str| -> Vec<String> {
+                text.lines()
+                    .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+                    .map(|l| l.rsplit_once(' ').unwrap().1.to_owned())
+                    .collect()
+            };
+            assert_eq!(samples(&text, running).len(), 1, "{dialect:?}");
+            assert_eq!(samples(&text, waiting).len(), 1, "{dialect:?}");
+
+            let broken = with_value(&text, running, "NaN");
+            assert_eq!(samples(&broken, running), ["NaN"], "{dialect:?}");
+            assert_eq!(samples(&broken, waiting), samples(&text, waiting));
+            // Only that sample changed: same lines otherwise.
+            let differ = text.lines().zip(broken.lines()).filter(|(a, b)| a != b);
+            assert_eq!(differ.count(), 1, "{dialect:?}");
+            assert_eq!(text.lines().count(), broken.lines().count());
+        }
+    }
+
+    #[test]
+    fn padding_is_exact_and_only_comments() {
+        let text = "inference_requests_running 1\n".to_owned();
+        for bytes in [
+            0,
+            10,
+            text.len(),
+            text.len() + 1,
+            text.len() + 2,
+            1000,
+            10_000_000,
+        ] {
+            let out = padded(text.clone(), bytes);
+            assert_eq!(out.len(), bytes.max(text.len()), "{bytes}");
+            assert!(out.starts_with(&text));
+            assert!(out[text.len()..]
+                .lines()
+                .all(|l| l.is_empty() || l.starts_with('#')));
+        }
     }
 
     #[test]
