@@ -68,10 +68,21 @@ pub struct Load {
     pub id: u32,
     pub saturated: bool,
     pub budget: u32,
+    pub running: Option<f64>,
     pub waiting: Option<f64>,
     pub ttft_ms: Option<f64>,
     /// Why the server takes no more hinted connections, for the spill log line.
     pub why: String,
+}
+
+/// TTFT for ranking alternates: a server that has not shown one yet ranks after every
+/// server that has, unless it is idle (then nothing is slow on it).
+fn ttft_rank(l: &Load) -> f64 {
+    match l.ttft_ms {
+        Some(ms) => ms,
+        None if l.running == Some(0.0) && l.waiting == Some(0.0) => 0.0,
+        None => f64::INFINITY,
+    }
 }
 
 /// A spill decision, logged as one line.
@@ -231,11 +242,7 @@ impl PoolAffinity {
                         let queued = |l: &Load| l.waiting.unwrap_or(0.0) > 0.0;
                         queued(a)
                             .cmp(&queued(b))
-                            .then(
-                                a.ttft_ms
-                                    .unwrap_or(0.0)
-                                    .total_cmp(&b.ttft_ms.unwrap_or(0.0)),
-                            )
+                            .then(ttft_rank(a).total_cmp(&ttft_rank(b)))
                             .then(
                                 (!state.former.contains(&a.id)).cmp(&!state.former.contains(&b.id)),
                             )
@@ -289,6 +296,7 @@ mod tests {
             id,
             saturated: budget == 0,
             budget,
+            running: Some(1.0),
             waiting: Some(waiting),
             ttft_ms: Some(ttft),
             why: format!("server {id} full"),
@@ -416,6 +424,17 @@ mod tests {
         assert!(u.write.is_empty());
         let u = a.update(t0 + Duration::from_secs(70), &m, &healthy, &s, idle);
         assert_eq!(u.write, vec![(b, Bucket { ids: [2, 0, 0, 0] })]);
+    }
+
+    #[test]
+    fn an_unknown_ttft_ranks_after_known_ones_unless_idle() {
+        let known = load(1, 5, 0.0, 900.0);
+        let mut busy_unknown = load(2, 5, 0.0, 0.0);
+        busy_unknown.ttft_ms = None;
+        assert!(ttft_rank(&known) < ttft_rank(&busy_unknown));
+        let mut idle = busy_unknown.clone();
+        idle.running = Some(0.0);
+        assert!(ttft_rank(&idle) < ttft_rank(&known));
     }
 
     #[test]

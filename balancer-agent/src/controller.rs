@@ -450,6 +450,7 @@ impl Controller {
                     id: s.id,
                     saturated,
                     budget,
+                    running: s.reading.as_ref().map(|r| r.running),
                     waiting: s.reading.as_ref().map(|r| r.waiting),
                     ttft_ms: s.ttft_ms,
                     why,
@@ -542,9 +543,9 @@ impl Controller {
             // and the server took the connection. A server that died with a queue keeps its
             // last reading, and must not stay UP on it.
             let queued = s.scrape_error.is_none()
-                && s.reading_at.is_some_and(|t| now.duration_since(t) <= stale_after)
-                && s
-                    .reading
+                && s.reading_at
+                    .is_some_and(|t| now.duration_since(t) <= stale_after)
+                && s.reading
                     .as_ref()
                     .is_some_and(|r| r.waiting >= f64::from(spill_waiting));
             let outcome = match &result {

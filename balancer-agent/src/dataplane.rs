@@ -88,6 +88,7 @@ pub struct Dataplane {
     buckets: Array<MapData, Bucket>,
     load: Array<MapData, BackendLoad>,
     opens: Array<MapData, u64>,
+    closes: Array<MapData, u64>,
     bucket_stats: PerCpuArray<MapData, BucketStats>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
@@ -120,6 +121,7 @@ impl Dataplane {
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = Array::try_from(take(&mut ebpf, "LOAD")?)?;
         let opens = Array::try_from(take(&mut ebpf, "OPENS")?)?;
+        let closes = Array::try_from(take(&mut ebpf, "CLOSES")?)?;
         let bucket_stats = PerCpuArray::try_from(take(&mut ebpf, "BUCKET_STATS")?)?;
         Ok(Dataplane {
             ebpf,
@@ -132,6 +134,7 @@ impl Dataplane {
             buckets,
             load,
             opens,
+            closes,
             bucket_stats,
             installed: HashMap::new(),
             links: BTreeMap::new(),
@@ -327,11 +330,13 @@ impl Dataplane {
     /// spill threshold, counted from now.
     pub fn set_budget(&mut self, id: u32, budget: u32) -> Result<()> {
         let opened_base = self.opens.get(&id, 0)?;
+        let closed_base = self.closes.get(&id, 0)?;
         self.load
             .set(
                 id,
                 BackendLoad {
                     opened_base,
+                    closed_base,
                     budget,
                     _pad: 0,
                 },

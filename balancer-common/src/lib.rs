@@ -88,12 +88,14 @@ pub struct Bucket {
 }
 
 /// How many more new connections a backend may take before it counts as past its spill
-/// threshold: the agent writes `budget` together with the value of `OPENS[id]` at that
-/// moment, and the program compares the opens since with the budget.
+/// threshold: the agent writes `budget` together with the values of `OPENS[id]` and
+/// `CLOSES[id]` at that moment, and the program compares the connections opened and not
+/// closed since with the budget.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct BackendLoad {
     pub opened_base: u64,
+    pub closed_base: u64,
     pub budget: u32,
     pub _pad: u32,
 }
@@ -322,7 +324,7 @@ mod tests {
         assert_eq!(size_of::<VipKey>(), 20);
         assert_eq!(size_of::<VipInfo>(), 24);
         assert_eq!(size_of::<Bucket>(), 16);
-        assert_eq!(size_of::<BackendLoad>(), 16);
+        assert_eq!(size_of::<BackendLoad>(), 24);
         assert_eq!(size_of::<BucketStats>(), 48);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<FlowKey>(), 40);

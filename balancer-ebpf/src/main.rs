@@ -247,6 +247,7 @@ fn note_closed(backend_id: u32) {
         // SAFETY: per-CPU value, no other writer.
         unsafe { (*stats).flows_closed += 1 };
     }
+    affinity::note_close(backend_id);
 }
 
 #[cfg(target_arch = "bpf")]

@@ -58,6 +58,11 @@ pub static LOAD: Array<BackendLoad> = Array::with_max_entries(MAX_BACKENDS, 0);
 #[map]
 pub static OPENS: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
 
+/// Connections closed (first FIN or RST) per backend, shared like `OPENS`: a connection that
+/// ended gives its room back before the agent's next update.
+#[map]
+pub static CLOSES: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+
 /// Per hint bucket and CPU: hinted SYNs, spills, and picks per candidate place; the agent
 /// reads them to log spills and to drop alternates nobody uses any more.
 #[map]

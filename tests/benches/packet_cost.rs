@@ -102,10 +102,7 @@ fn main() -> Result<()> {
         ])?;
     }
     // The benchmark's clients live in 10.20-21.0.0/16 and fd00:20-21::/32, behind 10.9.0.2.
-    for (net, via) in [
-        ("10.20.0.0/15", "10.9.0.2"),
-        ("fd00:20::/31", "fd00:9::2"),
-    ] {
+    for (net, via) in [("10.20.0.0/15", "10.9.0.2"), ("fd00:20::/31", "fd00:9::2")] {
         ns.ip(&["route", "add", net, "via", via, "dev", "g0"])?;
     }
     ns.sysctl("net.ipv4.ip_forward", "1")?;

@@ -295,12 +295,23 @@ pub fn agent_binary() -> Result<PathBuf> {
     crate::require_root()?;
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BINARY
-        .get_or_init(|| build_agent().map_err(|e| format!("{e:#}")))
+        .get_or_init(|| build_agent(false).map_err(|e| format!("{e:#}")))
         .clone()
         .map_err(|e| anyhow!(e))
 }
 
-fn build_agent() -> Result<PathBuf> {
+/// [`agent_binary`] built with `--release`, for the benchmarks: the agent's own CPU is one
+/// of their figures.
+pub fn release_agent_binary() -> Result<PathBuf> {
+    crate::require_root()?;
+    static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BINARY
+        .get_or_init(|| build_agent(true).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+fn build_agent(release: bool) -> Result<PathBuf> {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .context("the tests crate lives in the workspace")?;
@@ -315,6 +326,7 @@ fn build_agent() -> Result<PathBuf> {
             "balancer-agent",
             "--message-format=json",
         ])
+        .args(release.then_some("--release"))
         .stdin(Stdio::null())
         .output()
         .context("running cargo build")?;

@@ -154,7 +154,9 @@ impl Out {
             body.push_str(&self.stamp());
             body.push_str(&self.styled(Style::Command, prefix));
         }
-        body.push_str(text);
+        // A real model's text has line breaks: they continue under the prefix.
+        let continued = format!("\n{INDENT}{}", self.styled(Style::Command, prefix));
+        body.push_str(&text.replace('\n', &continued));
         *open = Some(prefix.to_owned());
         self.write(&body);
     }

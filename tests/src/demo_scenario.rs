@@ -57,9 +57,9 @@ const REAL_SHAPE: Shape = Shape {
     slots: 4,
     hinted_clients: 6,
     other_clients: 2,
-    burst: 6,
-    hinted_tokens: (24, 64),
-    other_tokens: 48,
+    burst: 4,
+    hinted_tokens: (16, 48),
+    other_tokens: 32,
 };
 
 impl Options {
@@ -140,8 +140,9 @@ impl Timeline {
             }
         };
         if options.real.is_some() {
-            // One CPU thread per server: about 100 tokens/s for a lone stream, less shared.
-            t.long_tokens = 300;
+            // One CPU thread per server, a few servers per core: everything takes longer.
+            t.long_tokens = 200;
+            t.end_at += 20.0;
         }
         if let Some(d) = options.duration {
             t.end_at = d.as_secs_f64().max(t.burst_at + 6.0);
@@ -169,6 +170,7 @@ fn agent_toml(socket: &Path, servers: &[usize], real: bool, slots: u32) -> Strin
          interfaces = [{}]\n\
          control_socket = \"{}\"\n\
          scrape_interval_ms = 2000\n\
+         {}\
          \n\
          [[pool]]\n\
          name = \"{POOL}\"\n\
@@ -179,6 +181,12 @@ fn agent_toml(socket: &Path, servers: &[usize], real: bool, slots: u32) -> Strin
          slots = {slots}\n",
         GATEWAY_INTERFACES.map(|i| format!("\"{i}\"")).join(", "),
         socket.display(),
+        // A one-token check waits behind the prefills of a busy CPU server.
+        if real {
+            "health_timeout_ms = 10000\n"
+        } else {
+            ""
+        },
     );
     if real {
         text.push_str(&format!("model = \"{REAL_MODEL}\"\n"));
@@ -597,24 +605,22 @@ fn relay_drain(stdout: std::process::ChildStdout, out: &Out, drained: &AtomicBoo
 }
 
 /// Opens streams from ordinary source ports until two land on 10.4.0.14, the server about
-/// to be drained (the simulators say who answered; llama-server does not, so with `--real`
-/// six streams are kept wherever they land). The others are closed at once.
+/// to be drained (the simulators say who answered), and closes the others at once.
 fn open_long_streams<'a>(
     model: &str,
     tokens: u32,
-    real: bool,
     stop: Stop<'a>,
 ) -> Result<Vec<workload::Response<'a>>> {
     let target = server_ip(DRAINED).to_string();
     let mut kept = Vec::new();
     for n in 0..16u32 {
-        if stop.now() || kept.len() == if real { 6 } else { 2 } {
+        if stop.now() || kept.len() == 2 {
             break;
         }
         let stream = workload::connect(vip(), None)?;
         let body = workload::request_body(model, &workload::other_prompt(100, n), tokens);
         let response = workload::post(stream, &body, stop)?;
-        if real || response.backend.as_deref() == Some(target.as_str()) {
+        if response.backend.as_deref() == Some(target.as_str()) {
             kept.push(response);
         }
     }
@@ -819,7 +825,13 @@ pub fn run(options: &Options, out: &Out) -> Result<()> {
 
     // The preamble: its bucket's home is 10.4.0.12 with and without 10.4.0.14.
     let addrs: Vec<SocketAddr> = (0..BACKENDS).map(server_addr).collect();
+    let words = if real {
+        workload::REAL_PREAMBLE_WORDS
+    } else {
+        workload::PREAMBLE_WORDS
+    };
     let (preamble, bucket, home) = workload::choose_preamble(
+        words,
         HintRange::DEFAULT,
         &addrs,
         addrs[DRAINED],
@@ -833,9 +845,9 @@ pub fn run(options: &Options, out: &Out) -> Result<()> {
     out.line(
         Style::Plain,
         &format!(
-            "preamble: {} tokens shared by most requests; hint bucket {bucket} of {} \
+            "preamble: {words} {} shared by most requests; hint bucket {bucket} of {} \
              (source ports {}, {}, ...); its home is {home}",
-            workload::PREAMBLE_WORDS,
+            if real { "words" } else { "tokens" },
             range.buckets,
             range.start + bucket,
             range.start + bucket + range.buckets,
@@ -889,7 +901,10 @@ pub fn run(options: &Options, out: &Out) -> Result<()> {
         "cleaning up: stopping the agent and the servers, deleting the namespaces",
     );
     drop(agent);
-    drop(servers);
+    // A busy llama-server takes its time over SIGTERM; nothing of theirs needs saving.
+    for mut server in servers {
+        let _ = server.stop(Duration::from_secs(2));
+    }
     drop(topology);
     let left = netns::remaining()?;
     if left.is_empty() {
@@ -961,38 +976,53 @@ fn timeline_run(
     let drain_child: Mutex<Option<ChildGuard>> = Mutex::new(None);
     let (binary, socket) = (agent.binary.clone(), agent.socket.clone());
     std::thread::scope(|s| -> Result<()> {
-        // Dropped first when this closure ends, however it ends.
+        // Dropped when this closure ends, however it ends, before the scope joins its threads.
         let _stop_threads = SetOnDrop(scene.workload_stop);
         let _kill_drain = KillOnDrop(&drain_child);
 
         out.line(
             Style::Title,
-            &format!(
-                "long completions from ordinary source ports, until two run on {drained_ip} \
-                 (about to be drained)"
-            ),
+            &if real {
+                format!("long completions from ordinary source ports, some on {drained_ip} (about to be drained)")
+            } else {
+                format!(
+                    "long completions from ordinary source ports, until two run on {drained_ip} \
+                     (about to be drained)"
+                )
+            },
         );
-        let long = topology
-            .client()
-            .enter(|| open_long_streams(scene.model, timeline.long_tokens, real, stop))?;
-        out.line(
-            Style::Plain,
-            &format!(
-                "{} long completion{} of {} tokens {}",
-                long.len(),
-                if long.len() == 1 { "" } else { "s" },
-                timeline.long_tokens,
-                if real {
-                    "run on the pool".to_owned()
-                } else {
-                    format!("run on {drained_ip}")
-                }
-            ),
-        );
-        for response in long {
-            s.spawn(move || {
-                let _ = response.finish(|_| {});
-            });
+        if real {
+            // llama-server answers only with its first token, after the prefill, and does
+            // not say who it is: six completions go out at once, wherever they land.
+            for i in 0..6 {
+                let (workload, client_ns) = (&workload, &client_ns);
+                s.spawn(move || workload.long(client_ns, 200 + i, timeline.long_tokens));
+            }
+            out.line(
+                Style::Plain,
+                &format!(
+                    "6 long completions of {} tokens sent to the pool",
+                    timeline.long_tokens
+                ),
+            );
+        } else {
+            let long = topology
+                .client()
+                .enter(|| open_long_streams(scene.model, timeline.long_tokens, stop))?;
+            out.line(
+                Style::Plain,
+                &format!(
+                    "{} long completion{} of {} tokens run on {drained_ip}",
+                    long.len(),
+                    if long.len() == 1 { "" } else { "s" },
+                    timeline.long_tokens,
+                ),
+            );
+            for response in long {
+                s.spawn(move || {
+                    let _ = response.finish(|_| {});
+                });
+            }
         }
 
         wait_until(at(timeline.drain_at));
@@ -1001,6 +1031,11 @@ fn timeline_run(
         s.spawn(|| relay_drain(stdout, out, scene.drained));
 
         wait_until(at(timeline.workload_at));
+        show_table(
+            agent,
+            out,
+            &format!("   ({drained_ip} drains: it takes nothing new)"),
+        );
         out.line(
             Style::Title,
             &format!(

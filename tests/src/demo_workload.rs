@@ -22,6 +22,10 @@ use crate::out;
 
 /// The preamble's length in the simulator's tokens (whitespace-separated words).
 pub const PREAMBLE_WORDS: usize = 2000;
+/// With llama-server on a few CPU threads, a 2,000-token preamble costs tens of seconds of
+/// prefill on every slot that has not seen it: `--real` uses a shorter one (about 400 of
+/// its tokens).
+pub const REAL_PREAMBLE_WORDS: usize = 300;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How often a blocked read looks at the stop flags.
 const POLL: Duration = Duration::from_millis(200);
@@ -47,9 +51,9 @@ const SENTENCES: [&str; 12] = [
     "Do not discuss competitors, prices of other shops, or internal tooling and policies.",
 ];
 
-/// The support bot's system prompt shared by most requests: exactly [`PREAMBLE_WORDS`] words.
+/// The support bot's system prompt shared by most requests: exactly `length` words.
 /// `revision` changes its first line, hence its hash, hence its bucket.
-pub fn preamble(revision: u32) -> String {
+pub fn preamble(revision: u32, length: usize) -> String {
     let mut words: Vec<String> = format!(
         "You are the customer support assistant of Example Shop, policy revision {revision}. \
          Follow every rule below."
@@ -58,13 +62,14 @@ pub fn preamble(revision: u32) -> String {
     .map(str::to_owned)
     .collect();
     let mut rule = 1;
-    while words.len() < PREAMBLE_WORDS {
+    while words.len() < length {
         let sentence = SENTENCES[(rule - 1) % SENTENCES.len()];
-        words.push(format!("Rule {rule}:"));
+        words.push("Rule".to_owned());
+        words.push(format!("{rule}:"));
         words.extend(sentence.split_whitespace().map(str::to_owned));
         rule += 1;
     }
-    words.truncate(PREAMBLE_WORDS);
+    words.truncate(length);
     words.join(" ")
 }
 
@@ -92,6 +97,7 @@ pub fn home_of(bucket: u16, servers: &[SocketAddr]) -> Option<SocketAddr> {
 /// without `leaving` in the pool (so the drain does not move it), or failing that the first
 /// whose home does not move. Returns the text, its bucket and its home.
 pub fn choose_preamble(
+    length: usize,
     range: HintRange,
     all: &[SocketAddr],
     leaving: SocketAddr,
@@ -100,7 +106,7 @@ pub fn choose_preamble(
     let staying: Vec<SocketAddr> = all.iter().copied().filter(|s| *s != leaving).collect();
     let mut fallback = None;
     for revision in 1..=200 {
-        let text = preamble(revision);
+        let text = preamble(revision, length);
         let bucket = range.bucket_of_prefix(text.as_bytes());
         let (Some(before), Some(after)) = (home_of(bucket, all), home_of(bucket, &staying)) else {
             continue;
@@ -436,7 +442,30 @@ impl Response<'_> {
                 Event::Done => completion.done = true,
             }
         }
+        self.await_close();
         Ok(completion)
+    }
+
+    /// Waits (briefly) for the server to close the connection, as `Connection: close` asks:
+    /// the side that closes first keeps the port in TIME_WAIT for a minute, and a hinted
+    /// client has only 64 ports per bucket.
+    fn await_close(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            self.buf.clear();
+            match self.stream.read(&mut [0u8; 512]) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(_) => return,
+            }
+        }
     }
 }
 
@@ -566,6 +595,21 @@ impl Workload<'_> {
         }
     }
 
+    /// One long request without the preamble, in the client namespace; its answer is read
+    /// and dropped.
+    pub fn long(&self, client_ns: &str, index: u32, max_tokens: u32) {
+        let result = enter_netns(client_ns)
+            .and_then(|()| self.one(None, &other_prompt(index, 0), max_tokens));
+        if let Err(e) = result {
+            if !e.is::<Stopped>() && self.tally.failed(&e) <= 3 {
+                self.out.line(
+                    out::Style::Warn,
+                    &format!("client {index}: request failed: {e:#}"),
+                );
+            }
+        }
+    }
+
     /// One request with the preamble, in the client namespace.
     pub fn once(&self, client_ns: &str, index: u32) {
         let result = enter_netns(client_ns).and_then(|()| {
@@ -617,15 +661,22 @@ mod tests {
     fn the_preamble_has_its_length_and_keeps_its_home() {
         for revision in [1, 2, 77] {
             assert_eq!(
-                preamble(revision).split_whitespace().count(),
+                preamble(revision, PREAMBLE_WORDS)
+                    .split_whitespace()
+                    .count(),
                 PREAMBLE_WORDS
             );
         }
         let servers: Vec<SocketAddr> = (11..=14)
             .map(|i| format!("10.4.0.{i}:8000").parse().unwrap())
             .collect();
-        let (text, bucket, chosen) =
-            choose_preamble(HintRange::DEFAULT, &servers, servers[3], servers[1]);
+        let (text, bucket, chosen) = choose_preamble(
+            PREAMBLE_WORDS,
+            HintRange::DEFAULT,
+            &servers,
+            servers[3],
+            servers[1],
+        );
         assert_eq!(HintRange::DEFAULT.bucket_of_prefix(text.as_bytes()), bucket);
         assert_eq!(home_of(bucket, &servers), Some(chosen));
         assert_eq!(home_of(bucket, &servers[..3]), Some(chosen));

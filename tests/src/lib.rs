@@ -5,7 +5,9 @@
 
 pub mod agent;
 pub mod backends;
+pub mod bench;
 pub mod client;
+pub mod competitors;
 pub mod llama;
 pub mod netns;
 pub mod process;

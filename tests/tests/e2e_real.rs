@@ -37,7 +37,7 @@ use anyhow::{bail, ensure, Context, Result};
 use balancer_agent::affinity::{home, Member};
 use balancer_agent::hint;
 use balancer_common::hint::HintRange;
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig, ShownPool};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, ShownPool, ShownServer};
 use balancer_tests::llama::{self, completion_body, CompletionStream, Streamed};
 use balancer_tests::real_backend::{self, LlamaOptions, LlamaServer, RealBackend, MODEL_ALIAS};
 use balancer_tests::topology::{
@@ -484,7 +484,7 @@ fn dialect_in_show(bed: &Bed) -> Result<()> {
 const FLOOD_STREAMS: u32 = SLOTS + 2;
 /// Long enough that the queue outlasts the agent's reaction and the counting: at one thread
 /// for three sequences, several seconds.
-const FLOOD_TOKENS: u32 = 400;
+const FLOOD_TOKENS: u32 = 200;
 /// New connections counted before, during and after.
 const PROBES: usize = 20;
 
@@ -499,79 +499,35 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
         address(other)
     );
 
-    let flood_started = Instant::now();
-    let (during, timeline, queued) = thread::scope(|scope| -> Result<_> {
-        let flood = scope.spawn(|| {
-            bed.topology.backend(target).enter(|| {
-                thread::scope(|inner| {
-                    let streams: Vec<_> = (0..FLOOD_STREAMS)
-                        .map(|k| {
-                            inner.spawn(move || {
-                                let prompt = format!("Story number {k}: {STREAM_PROMPT}");
-                                let body = completion_body(&prompt, FLOOD_TOKENS, true);
-                                CompletionStream::open(llama::connect(api(target))?, &body)?
-                                    .finish()
-                            })
-                        })
-                        .collect();
-                    streams
-                        .into_iter()
-                        .map(|s| s.join().expect("streams do not panic"))
-                        .collect::<Result<Vec<_>>>()
-                })
-            })
-        });
-        // The weight of the target as the agent shows it, until it is 0 with a queue.
-        let mut timeline = Vec::new();
-        let saturated = loop {
-            let pool = bed.show()?;
-            let row = pool.server(Family::V4.backend(target))?;
-            let point = (
-                flood_started.elapsed(),
-                row.weight,
-                row.running,
-                row.waiting,
-            );
-            if timeline
-                .last()
-                .map(|p: &(Duration, u32, Option<f64>, Option<f64>)| (p.1, p.2, p.3))
-                != Some((point.1, point.2, point.3))
-            {
-                timeline.push(point);
-            }
-            ensure!(
-                row.state == "UP",
-                "{} went {}: {}",
-                address(target),
-                row.state,
-                row.reason
-            );
-            if row.weight == 0 && row.waiting >= Some(f64::from(SPILL_WAITING)) {
-                break pool;
-            }
-            ensure!(
-                flood_started.elapsed() < SETTLE,
-                "{} not saturated within {SETTLE:?}; weights seen: {timeline:?}",
-                address(target)
-            );
-            sleep(POLL);
-        };
+    let log_mark = bed.agent.log().len();
+    let mut timeline = Timeline::new(target);
+    let (during, queued) = thread::scope(|scope| -> Result<_> {
+        let flood = scope.spawn(|| flood(bed, target));
+        // The target's weight as the agent shows it: to 0 once the queue is seen, ...
+        let saturated = timeline.until(bed, "saturated with a queue", |row| {
+            row.weight == 0 && row.waiting >= Some(f64::from(SPILL_WAITING))
+        })?;
         let own = bed.metrics(target)?;
         let queued = (
             llama::sample(&own, "llamacpp:requests_processing")?,
             llama::sample(&own, "llamacpp:requests_deferred")?,
         );
-        println!("{}", bed.table()?);
+        print!("{}", bed.table()?);
         let reason = &saturated.server(Family::V4.backend(target))?.reason;
         println!("{}'s weight reason: {reason}", address(target));
+        // ... meanwhile, new connections through the VIP, ...
         let during = bed.landings(PROBES)?;
         let still = llama::sample(&bed.metrics(target)?, "llamacpp:requests_deferred")?;
-        let streams = flood.join().expect("the flood does not panic")?;
         ensure!(
             still >= 1.0,
             "{} no longer had a queue after the counting: the flood was too short",
             address(target)
         );
+        // ... and back once the queue is gone (the deferred streams got their slots).
+        timeline.until(bed, "weighted again", |row| {
+            row.weight > 0 && row.waiting == Some(0.0)
+        })?;
+        let streams = flood.join().expect("the flood does not panic")?;
         for (k, s) in streams.iter().enumerate() {
             let n = s.text_events().count();
             ensure!(
@@ -587,27 +543,32 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
             })
             .collect();
         println!(
-            "the {FLOOD_STREAMS} streams straight to {} ended after {} s",
+            "the {FLOOD_STREAMS} streams straight to {} ({SLOTS} slots) ended after {} s",
             address(target),
             ends.join(", ")
         );
-        Ok((during, timeline, queued))
+        Ok((during, queued))
     })?;
-    for (at, weight, running, waiting) in &timeline {
-        println!(
-            "  t={:>5.0} ms  {} weight {weight:>5}  running {}  waiting {}",
-            ms(*at),
-            address(target),
-            dash(*running),
-            dash(*waiting)
-        );
-    }
     println!(
-        "{}'s own metrics then: requests_processing {}, requests_deferred {}",
+        "{}'s own metrics when the agent showed weight 0: requests_processing {}, \
+         requests_deferred {}",
         address(target),
         queued.0,
         queued.1
     );
+    println!(
+        "{}'s weight in show, from the first stream on:",
+        address(target)
+    );
+    timeline.print();
+    let log = bed.agent.log();
+    let server = api(target).to_string();
+    println!("the agent's log meanwhile:");
+    for line in log.get(log_mark..).unwrap_or_default().lines() {
+        if line.contains(&server) {
+            println!("  {}", line.trim());
+        }
+    }
     println!(
         "during: {PROBES} new connections through the VIP land {} on {}, {} on {}",
         during[target],
@@ -621,20 +582,9 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
         during[target]
     );
 
-    let recovered = Instant::now();
-    bed.wait_show(
-        "the target weighted again",
-        Duration::from_secs(120),
-        |pool| {
-            let row = pool.server(Family::V4.backend(target))?;
-            Ok(row.weight > 0 && row.waiting == Some(0.0))
-        },
-    )?;
     let after = bed.landings(PROBES)?;
     println!(
-        "after (weighted again {:.1} s after the streams ended): {PROBES} new connections land \
-         {} on {}, {} on {}",
-        secs(recovered.elapsed()),
+        "after: {PROBES} new connections land {} on {}, {} on {}",
         after[target],
         address(target),
         after[other],
@@ -648,6 +598,92 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
     Ok(())
 }
 
+/// [`FLOOD_STREAMS`] concurrent streams of [`FLOOD_TOKENS`] tokens straight to server `i`,
+/// from its own namespace (as other gateways' clients would), read to their ends.
+fn flood(bed: &Bed, i: usize) -> Result<Vec<Streamed>> {
+    bed.topology.backend(i).enter(|| {
+        thread::scope(|scope| {
+            let streams: Vec<_> = (0..FLOOD_STREAMS)
+                .map(|k| {
+                    scope.spawn(move || {
+                        let prompt = format!("Story number {k}: {STREAM_PROMPT}");
+                        let body = completion_body(&prompt, FLOOD_TOKENS, true);
+                        CompletionStream::open(llama::connect(api(i))?, &body)?.finish()
+                    })
+                })
+                .collect();
+            streams
+                .into_iter()
+                .map(|s| s.join().expect("streams do not panic"))
+                .collect()
+        })
+    })
+}
+
+/// A server's row in `show` over time: a point whenever weight, running or waiting changes.
+struct Timeline {
+    server: usize,
+    started: Instant,
+    points: Vec<(Duration, u32, Option<f64>, Option<f64>)>,
+}
+
+impl Timeline {
+    fn new(server: usize) -> Self {
+        Self {
+            server,
+            started: Instant::now(),
+            points: Vec::new(),
+        }
+    }
+
+    /// Polls `show` until the server's row satisfies `pred`; the server must stay UP (a
+    /// health check that times out behind a queue is busy, not dead).
+    fn until(
+        &mut self,
+        bed: &Bed,
+        what: &str,
+        pred: impl Fn(&ShownServer) -> bool,
+    ) -> Result<ShownPool> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let pool = bed.show()?;
+            let row = pool.server(Family::V4.backend(self.server))?;
+            let point = (self.started.elapsed(), row.weight, row.running, row.waiting);
+            if self.points.last().map(|p| (p.1, p.2, p.3)) != Some((point.1, point.2, point.3)) {
+                self.points.push(point);
+            }
+            ensure!(
+                row.state == "UP",
+                "{} went {}: {}",
+                address(self.server),
+                row.state,
+                row.reason
+            );
+            if pred(row) {
+                return Ok(pool);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{}: not {what} within 120 s; seen: {:?}",
+                address(self.server),
+                self.points
+            );
+            sleep(POLL);
+        }
+    }
+
+    fn print(&self) {
+        for (at, weight, running, waiting) in &self.points {
+            println!(
+                "  t={:>6.0} ms  weight {weight:>5}  running {}  waiting {}",
+                ms(*at),
+                dash(*running),
+                dash(*waiting)
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. Prefix affinity and llama.cpp's prompt cache.
 
@@ -656,7 +692,7 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
 const PREAMBLES: usize = 4;
 /// Each preamble's requests per run.
 const ROUNDS: usize = 5;
-const PREAMBLE_WORDS: usize = 320;
+const PREAMBLE_WORDS: usize = 240;
 const ANSWER_TOKENS: u32 = 4;
 
 /// A preamble of [`PREAMBLE_WORDS`] words, its own from the first word on (llama.cpp picks a

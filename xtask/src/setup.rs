@@ -248,7 +248,6 @@ impl Setup {
             }
             return Ok(());
         }
-        println!("real backend (llama-server + model):");
         real_backend::ensure_present()?;
         self.ok(&what);
         Ok(())

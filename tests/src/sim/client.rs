@@ -176,7 +176,20 @@ impl Stream {
 
     /// [`Stream::open`] from source port `src_port` (0: any).
     pub fn open_from(addr: SocketAddr, src_port: u16, path: &str, body: &Value) -> Result<Self> {
-        let mut stream = connect(addr, src_port)?;
+        Self::open_on(connect(addr, src_port)?, TIMEOUT, path, body)
+    }
+
+    /// [`Stream::open`] on a connection the caller made (for instance from a hint port),
+    /// every read and write bounded by `timeout`.
+    pub fn open_on(
+        mut stream: TcpStream,
+        timeout: Duration,
+        path: &str,
+        body: &Value,
+    ) -> Result<Self> {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        stream.set_nodelay(true)?;
         send(&mut stream, "POST", path, Some(&body.to_string()))?;
         let socket = stream.try_clone()?;
         let mut reader = BufReader::new(stream);

@@ -1,0 +1,527 @@
+//! Gateway throughput over namespaces (issue 8, item 2): our XDP balancer, nftables DNAT
+//! load balancing (`numgen random`, conntrack) and HAProxy in TCP mode (`roundrobin`), each
+//! in turn in the gateway namespace of the same topology (client, gateway, switch, four
+//! backends running `bench-server`), in rounds within one run, the order rotating from round
+//! to round. Every system serves the VIP 192.0.2.60:8000; for HAProxy it is a local address
+//! of the gateway, for the others it is routed to the gateway and translated there.
+//!
+//! Per system and round, with `loadgen` in the client namespace (every request a fresh
+//! connection, `GET /` answered by a few bytes, the server closing first):
+//! - new connections per second, closed loop with a fixed number of concurrent clients;
+//! - connect-to-first-byte p50 and p99 under a fixed offered load (open loop);
+//! - bulk throughput of a few long streams;
+//! - gateway CPU per 1000 connections during the connections-per-second phase: the
+//!   machine's softirq time (`/proc/stat`), where the XDP program, nftables, conntrack and
+//!   forwarding run, plus HAProxy's own CPU (user + system, `/proc/PID/stat`) for HAProxy.
+//!   Namespaces share the machine's CPUs, so softirq also holds the client's and backends'
+//!   receive processing, the same for every system; the difference is the gateway's.
+//!
+//! Each figure is the median over the rounds; the ratios compare those medians.
+//!
+//! `cargo bench -p balancer-tests --bench gateway [-- --quick]`, as root.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use balancer_tests::agent::{release_agent_binary, Agent, AgentConfig};
+use balancer_tests::bench::{cpu_seconds, fmt, median, quick_flag, MachineCpu, Report};
+use balancer_tests::competitors::{Haproxy, Nft};
+use balancer_tests::process::Process;
+use balancer_tests::topology::{
+    backend_name, Family, Topology, BACKENDS, BACKEND_PORT, METRICS_PORT,
+};
+use serde_json::Value;
+
+const BENCH_SERVER: &str = env!("CARGO_BIN_EXE_bench-server");
+const LOADGEN: &str = env!("CARGO_BIN_EXE_loadgen");
+const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
+
+struct Plan {
+    rounds: usize,
+    warmup: Duration,
+    concurrency: usize,
+    rate_phase: Duration,
+    offered: f64,
+    latency_phase: Duration,
+    streams: usize,
+    bulk_phase: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum System {
+    Xdp,
+    Nft,
+    Haproxy,
+}
+
+const SYSTEMS: [System; 3] = [System::Xdp, System::Nft, System::Haproxy];
+
+impl System {
+    fn label(self) -> &'static str {
+        match self {
+            System::Xdp => "XDP balancer (ours)",
+            System::Nft => "nftables DNAT",
+            System::Haproxy => "HAProxy TCP",
+        }
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            System::Xdp => "xdp",
+            System::Nft => "nft",
+            System::Haproxy => "haproxy",
+        }
+    }
+}
+
+/// One system's figures in one round.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    cps: Option<f64>,
+    p50_ms: Option<f64>,
+    p99_ms: Option<f64>,
+    gbps: Option<f64>,
+    gateway_cpu_ms_per_1k: Option<f64>,
+    machine_cpu_ms_per_1k: Option<f64>,
+    errors: u64,
+}
+
+/// A figure of the table: how to read it from a sample, and which way is better.
+struct Figure {
+    key: &'static str,
+    label: String,
+    higher_is_better: bool,
+    decimals: usize,
+    get: fn(&Sample) -> Option<f64>,
+}
+
+fn main() -> Result<()> {
+    let quick = quick_flag("gateway")?;
+    let plan = if quick {
+        Plan {
+            rounds: 1,
+            warmup: Duration::from_millis(300),
+            concurrency: 16,
+            rate_phase: Duration::from_millis(1500),
+            offered: 300.0,
+            latency_phase: Duration::from_millis(1500),
+            streams: 2,
+            bulk_phase: Duration::from_millis(1500),
+        }
+    } else {
+        Plan {
+            rounds: 3,
+            warmup: Duration::from_millis(500),
+            concurrency: 32,
+            rate_phase: Duration::from_secs(6),
+            offered: 1000.0,
+            latency_phase: Duration::from_secs(6),
+            streams: 4,
+            bulk_phase: Duration::from_secs(5),
+        }
+    };
+    balancer_tests::require_root()?;
+    let started = Instant::now();
+    let agent = release_agent_binary()?;
+    let mut topology = Topology::build_bare()?;
+    topology.attach_xdp_pass(Path::new(XDP_PASS))?;
+    let servers = start_servers(&topology)?;
+    let result = rounds(&topology, &agent, &plan);
+    drop(servers);
+    drop(topology);
+    let samples = result?;
+    let report = report(&plan, quick, &samples, started.elapsed());
+    report.write()
+}
+
+/// `bench-server` in every backend, on the API and metrics ports.
+fn start_servers(topology: &Topology) -> Result<Vec<Process>> {
+    let mut servers = Vec::new();
+    for i in 0..BACKENDS {
+        let address = Family::V4.backend(i);
+        let mut cmd = topology.backend(i).command(BENCH_SERVER);
+        for port in [BACKEND_PORT, METRICS_PORT] {
+            cmd.arg("--listen").arg(format!("{address}:{port}"));
+        }
+        cmd.args(["--name", &backend_name(i)]);
+        let log = topology
+            .dir()
+            .join(format!("{}-bench-server.log", backend_name(i)));
+        let mut server = Process::spawn(format!("bench-server in {}", backend_name(i)), cmd, &log)?;
+        server.wait_for_line(0, Duration::from_secs(10), |l| l.contains("listening on"))?;
+        servers.push(server);
+    }
+    Ok(servers)
+}
+
+/// Every round runs every system, the order rotating; returns the samples by system.
+fn rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Sample>>> {
+    let mut samples = vec![Vec::new(); SYSTEMS.len()];
+    for round in 0..plan.rounds {
+        for k in 0..SYSTEMS.len() {
+            let s = (k + round) % SYSTEMS.len();
+            let system = SYSTEMS[s];
+            let t = Instant::now();
+            let sample = with_system(topology, agent, system, |pid| measure(topology, plan, pid))
+                .with_context(|| format!("round {}, {}", round + 1, system.label()))?;
+            eprintln!(
+                "round {} {:<20} {:>7} conn/s  p50 {} ms  p99 {} ms  {} Gbit/s  gateway CPU {} ms/1k  errors {}  ({:.1} s)",
+                round + 1,
+                system.label(),
+                fmt(sample.cps, 0),
+                fmt(sample.p50_ms, 2),
+                fmt(sample.p99_ms, 2),
+                fmt(sample.gbps, 2),
+                fmt(sample.gateway_cpu_ms_per_1k, 1),
+                sample.errors,
+                t.elapsed().as_secs_f64()
+            );
+            samples[s].push(sample);
+        }
+    }
+    Ok(samples)
+}
+
+/// Sets `system` up in the gateway, runs `f` with the pid whose CPU counts besides softirq
+/// (HAProxy's), and tears it down whatever happened.
+fn with_system<T>(
+    topology: &Topology,
+    agent: &Path,
+    system: System,
+    f: impl FnOnce(Option<libc::pid_t>) -> Result<T>,
+) -> Result<T> {
+    let vip = Family::V4.vip();
+    let servers: Vec<_> = (0..BACKENDS)
+        .map(|i| std::net::SocketAddr::new(Family::V4.backend(i), BACKEND_PORT))
+        .collect();
+    match system {
+        System::Xdp => {
+            let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
+            config.pools.retain(|p| p.name == "chat-v4");
+            let running = Agent::start(topology, agent, &config)?;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let pool = running.show("chat-v4")?;
+                if pool
+                    .servers
+                    .iter()
+                    .all(|s| s.state == "UP" && s.weight > 0 && s.metrics_age_ms.is_some())
+                {
+                    break;
+                }
+                ensure!(
+                    Instant::now() < deadline,
+                    "the agent did not see every server UP: {pool:?}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let out = f(None);
+            running.stop()?;
+            out
+        }
+        System::Nft => {
+            let _nft = Nft::start(topology.gw(), topology.dir(), vip, &servers, "random")?;
+            f(None)
+        }
+        System::Haproxy => {
+            let haproxy = Haproxy::start(
+                topology.gw(),
+                topology.dir(),
+                vip,
+                &servers,
+                "roundrobin",
+                Duration::from_secs(30),
+            )?;
+            f(Some(haproxy.pid()))
+        }
+    }
+}
+
+/// Runs `loadgen ARGS` in the client namespace; its JSON summary.
+fn loadgen(topology: &Topology, args: &[String]) -> Result<Value> {
+    let out = topology.client().exec(
+        LOADGEN,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )?;
+    serde_json::from_str(out.trim()).with_context(|| format!("loadgen printed {out:?}"))
+}
+
+fn ms(d: Duration) -> String {
+    d.as_millis().to_string()
+}
+
+fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result<Sample> {
+    let target = Family::V4.vip().to_string();
+    let args = |mode: &str, extra: &[String]| -> Vec<String> {
+        let mut a = vec![mode.to_owned(), "--target".to_owned(), target.clone()];
+        a.extend_from_slice(extra);
+        a
+    };
+    // Warm-up, not counted: neighbours, conntrack, HAProxy's first connections.
+    loadgen(
+        topology,
+        &args(
+            "rate",
+            &[
+                "--concurrency".into(),
+                "4".into(),
+                "--duration-ms".into(),
+                ms(plan.warmup),
+            ],
+        ),
+    )?;
+
+    let cpu0 = MachineCpu::now()?;
+    let own0 = pid.map(cpu_seconds).transpose()?;
+    let rate = loadgen(
+        topology,
+        &args(
+            "rate",
+            &[
+                "--concurrency".into(),
+                plan.concurrency.to_string(),
+                "--duration-ms".into(),
+                ms(plan.rate_phase),
+            ],
+        ),
+    )?;
+    let machine = MachineCpu::now()?.since(cpu0);
+    let own = match (pid, own0) {
+        (Some(pid), Some(before)) => cpu_seconds(pid)? - before,
+        _ => 0.0,
+    };
+    let connections = rate["ok"].as_f64().unwrap_or(0.0);
+    let per_1k = |cpu: f64| (connections > 0.0).then(|| cpu * 1e3 / connections * 1e3);
+
+    let latency = loadgen(
+        topology,
+        &args(
+            "latency",
+            &[
+                "--rate".into(),
+                plan.offered.to_string(),
+                "--duration-ms".into(),
+                ms(plan.latency_phase),
+            ],
+        ),
+    )?;
+    let bulk = loadgen(
+        topology,
+        &args(
+            "bulk",
+            &[
+                "--streams".into(),
+                plan.streams.to_string(),
+                "--duration-ms".into(),
+                ms(plan.bulk_phase),
+            ],
+        ),
+    )?;
+    let errors = [&rate, &latency, &bulk]
+        .iter()
+        .map(|v| v["errors"].as_u64().unwrap_or(0))
+        .sum();
+    for v in [&rate, &latency, &bulk] {
+        if v["errors"].as_u64() != Some(0) {
+            eprintln!("  {} errors: {}", v["mode"], v["error_kinds"]);
+        }
+    }
+    let us_to_ms = |v: &Value| v.as_f64().map(|us| us / 1e3);
+    let bytes = bulk["bytes_per_second"].as_f64().filter(|b| *b > 0.0);
+    Ok(Sample {
+        cps: rate["per_second"].as_f64().filter(|_| connections > 0.0),
+        p50_ms: us_to_ms(&latency["p50_us"]),
+        p99_ms: us_to_ms(&latency["p99_us"]),
+        gbps: bytes.map(|b| b * 8.0 / 1e9),
+        gateway_cpu_ms_per_1k: per_1k(machine.softirq + own),
+        machine_cpu_ms_per_1k: per_1k(machine.busy),
+        errors,
+    })
+}
+
+fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> Report {
+    let figures = [
+        Figure {
+            key: "cps",
+            label: format!(
+                "new connections/s, short HTTP, {} concurrent clients",
+                plan.concurrency
+            ),
+            higher_is_better: true,
+            decimals: 0,
+            get: |s| s.cps,
+        },
+        Figure {
+            key: "p50_ms",
+            label: format!("connect-to-first-byte p50 at {} conn/s (ms)", plan.offered),
+            higher_is_better: false,
+            decimals: 3,
+            get: |s| s.p50_ms,
+        },
+        Figure {
+            key: "p99_ms",
+            label: format!("connect-to-first-byte p99 at {} conn/s (ms)", plan.offered),
+            higher_is_better: false,
+            decimals: 3,
+            get: |s| s.p99_ms,
+        },
+        Figure {
+            key: "gbps",
+            label: format!("bulk throughput, {} long streams (Gbit/s)", plan.streams),
+            higher_is_better: true,
+            decimals: 2,
+            get: |s| s.gbps,
+        },
+        Figure {
+            key: "gateway_cpu_ms_per_1k",
+            label: "gateway CPU per 1000 connections (ms): softirq + HAProxy process".into(),
+            higher_is_better: false,
+            decimals: 1,
+            get: |s| s.gateway_cpu_ms_per_1k,
+        },
+    ];
+    let mut out = Report {
+        name: "gateway".into(),
+        quick,
+        seconds: took.as_secs_f64(),
+        ..Default::default()
+    };
+    let mut md = String::from("## 2. Gateway throughput over namespaces\n\n");
+    md += &format!(
+        "Client -> gateway -> switch -> four backends (`bench-server`), one namespace each, \
+         veth links with tx checksum offload off (needed by XDP on veth, so no TSO for any \
+         system). The same gateway namespace runs, in turn: **ours** (the agent's XDP program \
+         on both gateway interfaces, native mode), **nftables** DNAT in prerouting \
+         (`numgen random mod 4`, conntrack reverses it), **HAProxy** {} in TCP mode, \
+         `balance roundrobin`, VIP on the gateway's `lo`, default threads. {} round(s), \
+         order rotating; each figure is the median of the rounds. `loadgen` (tokio) runs in \
+         the client namespace; every request is a fresh connection (`GET /`, a few bytes \
+         back, the server closes first).\n\n",
+        haproxy_version(),
+        plan.rounds
+    );
+    md += &format!(
+        "- connections/s: closed loop, {} clients for {:.1} s.\n\
+         - latency: open loop, {} new connections/s for {:.1} s; time from the start of \
+         `connect` to the first byte of the answer.\n\
+         - bulk: {} connections each reading an endless response for {:.1} s.\n\
+         - gateway CPU: during the connections/s phase, the machine's softirq time from \
+         `/proc/stat` (the XDP program, nftables, conntrack and forwarding all run there), \
+         plus HAProxy's user + system time from `/proc/PID/stat` for HAProxy, divided by the \
+         connections made. The namespaces share the machine's CPUs, so softirq also holds \
+         the client's and backends' own receive processing, the same for every system: the \
+         differences are the gateway's. Tick-sampled (250 Hz).\n\n",
+        plan.concurrency,
+        plan.rate_phase.as_secs_f64(),
+        plan.offered,
+        plan.latency_phase.as_secs_f64(),
+        plan.streams,
+        plan.bulk_phase.as_secs_f64(),
+    );
+    md += "| figure | ours (XDP) | nftables | HAProxy | ours vs nftables | ours vs HAProxy | goal: ahead of both |\n\
+           |---|---:|---:|---:|---:|---:|---|\n";
+    let med = |s: usize, get: fn(&Sample) -> Option<f64>| {
+        median(&samples[s].iter().map(get).collect::<Vec<_>>())
+    };
+    let mut verdicts = Vec::new();
+    for f in &figures {
+        let values: Vec<Option<f64>> = (0..SYSTEMS.len()).map(|s| med(s, f.get)).collect();
+        // "x ahead": above 1 is better for us, whichever way the figure goes.
+        let ahead = |theirs: Option<f64>| -> Option<f64> {
+            let (ours, theirs) = (values[0]?, theirs?);
+            let r = if f.higher_is_better {
+                ours / theirs
+            } else {
+                theirs / ours
+            };
+            r.is_finite().then_some(r)
+        };
+        let (vs_nft, vs_hap) = (ahead(values[1]), ahead(values[2]));
+        let verdict = match (vs_nft, vs_hap) {
+            (Some(a), Some(b)) if a > 1.0 && b > 1.0 => "met",
+            (Some(_), Some(_)) => "MISSED",
+            _ => "-",
+        };
+        verdicts.push(format!("{}: {verdict}", f.key));
+        md += &format!(
+            "| {} | {} | {} | {} | {}x | {}x | {verdict} |\n",
+            f.label,
+            fmt(values[0], f.decimals),
+            fmt(values[1], f.decimals),
+            fmt(values[2], f.decimals),
+            fmt(vs_nft, 2),
+            fmt(vs_hap, 2),
+        );
+        for (s, v) in SYSTEMS.iter().zip(&values) {
+            out.figures.insert(format!("{}.{}", s.key(), f.key), *v);
+        }
+        out.figures
+            .insert(format!("ratio_vs_nft.{}", f.key), vs_nft);
+        out.figures
+            .insert(format!("ratio_vs_haproxy.{}", f.key), vs_hap);
+        out.summary.push(format!(
+            "gateway  {:<44} ours {:>9}  nft {:>9}  haproxy {:>9}  ({}x, {}x) {verdict}",
+            f.key,
+            fmt(values[0], f.decimals),
+            fmt(values[1], f.decimals),
+            fmt(values[2], f.decimals),
+            fmt(vs_nft, 2),
+            fmt(vs_hap, 2)
+        ));
+    }
+    let machine: Vec<Option<f64>> = (0..SYSTEMS.len())
+        .map(|s| med(s, |x| x.machine_cpu_ms_per_1k))
+        .collect();
+    md += &format!(
+        "| (context) whole-machine busy CPU per 1000 connections (ms): client, gateway, backends | {} | {} | {} | | | |\n",
+        fmt(machine[0], 1),
+        fmt(machine[1], 1),
+        fmt(machine[2], 1)
+    );
+    let errors: Vec<u64> = samples
+        .iter()
+        .map(|s| s.iter().map(|x| x.errors).sum())
+        .collect();
+    md += &format!(
+        "| failed requests, all phases and rounds | {} | {} | {} | | | |\n\n",
+        errors[0], errors[1], errors[2]
+    );
+    md += "Ratios are \"x ahead\": above 1 ours is better (more connections or bytes, less \
+           latency or CPU), below 1 ours is behind.\n\n";
+    md += "Per round (connections/s, p99 ms, Gbit/s, gateway CPU ms/1k):\n\n| round | ours | nftables | HAProxy |\n|---|---|---|---|\n";
+    for r in 0..plan.rounds {
+        let cell = |s: usize| {
+            samples[s].get(r).map_or("-".into(), |x| {
+                format!(
+                    "{} / {} / {} / {}",
+                    fmt(x.cps, 0),
+                    fmt(x.p99_ms, 2),
+                    fmt(x.gbps, 2),
+                    fmt(x.gateway_cpu_ms_per_1k, 1)
+                )
+            })
+        };
+        md += &format!("| {} | {} | {} | {} |\n", r + 1, cell(0), cell(1), cell(2));
+    }
+    md.push('\n');
+    out.markdown = md;
+    out.summary.push(format!(
+        "gateway  goal ahead of both: {}",
+        verdicts.join(", ")
+    ));
+    out
+}
+
+fn haproxy_version() -> String {
+    std::process::Command::new("haproxy")
+        .arg("-v")
+        .output()
+        .ok()
+        .and_then(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            let line = text.lines().next()?.to_owned();
+            Some(line.split_whitespace().nth(2)?.to_owned())
+        })
+        .unwrap_or_else(|| "(version unknown)".into())
+}
