@@ -528,6 +528,12 @@ impl Controller {
             .iter()
             .map(|p| (p.name.as_str(), p.spill_waiting))
             .collect();
+        let slots_of: HashMap<&str, Option<u32>> = self
+            .config
+            .pool
+            .iter()
+            .map(|p| (p.name.as_str(), p.slots))
+            .collect();
         let mut transitions = false;
         for (key, model, result) in results {
             let Some(spill_waiting) = spill.get(key.0.as_str()).copied() else {
@@ -539,15 +545,21 @@ impl Controller {
             if s.model.is_none() {
                 s.model = model;
             }
-            // Busy only on evidence: the last scrape succeeded, is recent, and shows a queue;
-            // and the server took the connection. A server that died with a queue keeps its
-            // last reading, and must not stay UP on it.
+            // Busy only on evidence: the last scrape succeeded, is recent, and shows a queue
+            // or every slot taken (the check itself then waits for a slot); and the server
+            // took the connection. A server that died with a queue keeps its last reading,
+            // and must not stay UP on it.
+            let slots = slots_of.get(key.0.as_str()).copied().flatten();
+            let full = |r: &Reading| match slots {
+                Some(n) => r.running >= f64::from(n),
+                None => s.max_running > 0.0 && r.running >= s.max_running,
+            };
             let queued = s.scrape_error.is_none()
                 && s.reading_at
                     .is_some_and(|t| now.duration_since(t) <= stale_after)
                 && s.reading
                     .as_ref()
-                    .is_some_and(|r| r.waiting >= f64::from(spill_waiting));
+                    .is_some_and(|r| r.waiting >= f64::from(spill_waiting) || full(r));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
                 Err(e) if queued && !refused(e) => Outcome::Busy,
@@ -555,7 +567,7 @@ impl Controller {
             };
             s.health = match (&result, outcome) {
                 (Ok(()), _) => "ok".into(),
-                (Err(e), Outcome::Busy) => format!("busy (queue): {e:#}"),
+                (Err(e), Outcome::Busy) => format!("busy (queue or every slot taken): {e:#}"),
                 (Err(e), _) => format!("failed: {e:#}"),
             };
             match s.track.record(outcome, fall, rise) {
