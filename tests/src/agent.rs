@@ -2,14 +2,16 @@
 //! the configuration file, signals, and its log.
 
 use std::marker::PhantomData;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
+#[cfg(feature = "agent")]
+use balancer_agent::control::{PoolView, ServerRow};
+use serde::Serialize;
 
 use crate::process::{run, Process, STOP_GRACE};
 use crate::topology::{Family, Topology, BACKENDS, BACKEND_PORT, GATEWAY_INTERFACES, METRICS_PORT};
@@ -145,44 +147,28 @@ fn write_whole(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// A pool as `balancer-agent show pool POOL --json` prints it: the fields the tests read
-/// (others are ignored).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct ShownPool {
-    pub pool: String,
-    pub vip: String,
-    pub servers: Vec<ShownServer>,
-}
+/// The names these types had here before the harness used the agent's own; the benchmarks
+/// still use them.
+#[cfg(feature = "agent")]
+pub type ShownPool = PoolView;
+#[cfg(feature = "agent")]
+pub type ShownServer = ServerRow;
 
-/// One server of [`ShownPool`]; `None` is a signal the server does not publish (or has not
-/// yet).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct ShownServer {
-    /// `address:port`.
-    pub server: String,
-    pub running: Option<f64>,
-    pub waiting: Option<f64>,
-    pub kv_mem: Option<f64>,
-    pub ttft_ms: Option<f64>,
-    /// `UP`, `DOWN` or `DRAINING`.
-    pub state: String,
-    pub weight: u32,
-    pub flows: u64,
-    pub reason: String,
-    pub dialect: Option<String>,
-    pub metrics_age_ms: Option<u64>,
-    pub scrape_error: Option<String>,
-    pub health: String,
-}
-
-impl ShownPool {
+/// Lookups in the pool `balancer-agent show pool POOL --json` prints ([`Agent::show`]).
+#[cfg(feature = "agent")]
+pub trait PoolViewExt {
     /// The row of the server at `address` (with or without the port).
-    pub fn server(&self, address: IpAddr) -> Result<&ShownServer> {
+    fn server(&self, address: IpAddr) -> Result<&ServerRow>;
+}
+
+#[cfg(feature = "agent")]
+impl PoolViewExt for PoolView {
+    fn server(&self, address: IpAddr) -> Result<&ServerRow> {
         self.servers
             .iter()
             .find(|s| {
                 s.server
-                    .parse::<SocketAddr>()
+                    .parse::<std::net::SocketAddr>()
                     .is_ok_and(|a| a.ip() == address)
             })
             .with_context(|| format!("pool {} shows no server {address}", self.pool))
@@ -271,7 +257,8 @@ impl<'t> Agent<'t> {
     }
 
     /// `balancer-agent show pool POOL --json`.
-    pub fn show(&self, pool: &str) -> Result<ShownPool> {
+    #[cfg(feature = "agent")]
+    pub fn show(&self, pool: &str) -> Result<PoolView> {
         let text = self.cli(&["show", "pool", pool, "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("show --json printed {text:?}"))
     }

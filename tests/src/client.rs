@@ -59,14 +59,40 @@ fn request(stream: &mut TcpStream, server: SocketAddr, target: &str) -> Result<(
     .context("sending the request")
 }
 
+/// Bound on a body read whole, and on one read to the end of the connection.
+pub(crate) const MAX_BODY: u64 = 16 << 20;
+const MAX_HEAD_LINES: usize = 64;
+
+/// Sends `method path` with `Connection: close` and an optional JSON body.
+pub(crate) fn send(
+    stream: &mut impl Write,
+    host: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<()> {
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    match body {
+        Some(body) => request.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )),
+        None => request.push_str("\r\n"),
+    }
+    stream
+        .write_all(request.as_bytes())
+        .with_context(|| format!("sending {method} {path}"))
+}
+
 /// A response head: the status code and the headers, names lowercased.
-struct Head {
-    status: u16,
-    headers: Vec<(String, String)>,
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
 }
 
 impl Head {
-    fn read(reader: &mut impl BufRead) -> Result<Self> {
+    pub(crate) fn read(reader: &mut impl BufRead) -> Result<Self> {
         let mut line = String::new();
         reader
             .read_line(&mut line)
@@ -77,7 +103,7 @@ impl Head {
             .and_then(|code| code.parse().ok())
             .with_context(|| format!("bad status line {line:?}"))?;
         let mut headers = Vec::new();
-        loop {
+        for _ in 0..MAX_HEAD_LINES {
             line.clear();
             if reader.read_line(&mut line).context("reading headers")? == 0 {
                 bail!("connection closed inside the response head");
@@ -91,13 +117,41 @@ impl Head {
                 .with_context(|| format!("bad header line {line:?}"))?;
             headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
         }
+        bail!("more than {MAX_HEAD_LINES} header lines")
     }
 
-    fn header(&self, name: &str) -> Option<&str> {
+    pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// The body that follows this head: chunked, sized, or up to the end of the connection
+    /// (at most [`MAX_BODY`] bytes).
+    pub(crate) fn body<R: BufRead + Send + 'static>(
+        &self,
+        reader: R,
+    ) -> Result<Box<dyn Read + Send>> {
+        if self
+            .header("transfer-encoding")
+            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
+        {
+            return Ok(Box::new(Chunked::new(reader)));
+        }
+        Ok(match self.header("content-length") {
+            Some(length) => Box::new(reader.take(length.parse().context("content-length")?)),
+            None => Box::new(reader.take(MAX_BODY)),
+        })
+    }
+
+    /// The whole body that follows this head, as text (at most [`MAX_BODY`] bytes).
+    pub(crate) fn body_text<R: BufRead + Send + 'static>(&self, reader: R) -> Result<String> {
+        let mut text = String::new();
+        self.body(reader)?
+            .take(MAX_BODY)
+            .read_to_string(&mut text)?;
+        Ok(text)
     }
 }
 
@@ -253,15 +307,16 @@ impl SseStream {
     }
 }
 
-/// Decodes an HTTP/1.1 chunked body; the SSE server streams with it.
-struct Chunked<R> {
+/// Decodes an HTTP/1.1 chunked body (the SSE server, the simulator and llama-server stream
+/// with it).
+pub(crate) struct Chunked<R> {
     inner: R,
     remaining: usize,
     finished: bool,
 }
 
 impl<R: BufRead> Chunked<R> {
-    fn new(inner: R) -> Self {
+    pub(crate) fn new(inner: R) -> Self {
         Self {
             inner,
             remaining: 0,
@@ -272,16 +327,19 @@ impl<R: BufRead> Chunked<R> {
 
 impl<R: BufRead> Read for Chunked<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.finished {
+        if self.finished || buf.is_empty() {
             return Ok(0);
         }
         if self.remaining == 0 {
             let mut line = String::new();
             if self.inner.read_line(&mut line)? == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a chunked body",
+                ));
             }
             let size = line.trim_end().split(';').next().unwrap_or_default();
-            self.remaining = usize::from_str_radix(size, 16).map_err(|_| {
+            self.remaining = usize::from_str_radix(size.trim(), 16).map_err(|_| {
                 io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!("bad chunk size {line:?}"),
@@ -295,7 +353,10 @@ impl<R: BufRead> Read for Chunked<R> {
         let want = buf.len().min(self.remaining);
         let n = self.inner.read(&mut buf[..want])?;
         if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed inside a chunk",
+            ));
         }
         self.remaining -= n;
         if self.remaining == 0 {

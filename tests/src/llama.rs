@@ -6,20 +6,20 @@
 //! [`crate::netns::Netns::enter`]).
 
 use std::collections::BTreeMap;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 
+pub use crate::client::Head;
+
 /// Bound on connecting.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bound on each read or write: generous, since a request may wait for a free slot behind
 /// long streams on a server with one thread.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(120);
-const MAX_BODY: u64 = 16 << 20;
-const MAX_HEAD_LINES: usize = 64;
 
 /// A connection from an ephemeral port, with bounded reads and writes.
 pub fn connect(addr: SocketAddr) -> Result<TcpStream> {
@@ -38,75 +38,7 @@ pub fn prepare(stream: &TcpStream) -> Result<()> {
 }
 
 fn send(stream: &mut TcpStream, method: &str, path: &str, body: Option<&str>) -> Result<()> {
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: llama\r\nConnection: close\r\n");
-    match body {
-        Some(body) => request.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )),
-        None => request.push_str("\r\n"),
-    }
-    stream
-        .write_all(request.as_bytes())
-        .with_context(|| format!("sending {method} {path}"))
-}
-
-/// Status and headers (names lowercased).
-#[derive(Debug, Clone)]
-pub struct Head {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-}
-
-impl Head {
-    fn read(reader: &mut impl BufRead) -> Result<Self> {
-        let mut line = String::new();
-        reader
-            .read_line(&mut line)
-            .context("reading the status line")?;
-        let status = line
-            .strip_prefix("HTTP/1.1 ")
-            .and_then(|rest| rest.get(..3))
-            .and_then(|code| code.parse().ok())
-            .with_context(|| format!("bad status line {line:?}"))?;
-        let mut headers = Vec::new();
-        for _ in 0..MAX_HEAD_LINES {
-            line.clear();
-            if reader.read_line(&mut line).context("reading headers")? == 0 {
-                bail!("connection closed inside the response head");
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                return Ok(Self { status, headers });
-            }
-            let (name, value) = line
-                .split_once(':')
-                .with_context(|| format!("bad header line {line:?}"))?;
-            headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
-        }
-        bail!("more than {MAX_HEAD_LINES} header lines")
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// The body after this head: chunked, sized, or up to the end of the connection.
-    fn body(&self, reader: BufReader<TcpStream>) -> Result<Box<dyn Read + Send>> {
-        if self
-            .header("transfer-encoding")
-            .is_some_and(|t| t.eq_ignore_ascii_case("chunked"))
-        {
-            return Ok(Box::new(Chunked::new(reader)));
-        }
-        Ok(match self.header("content-length") {
-            Some(length) => Box::new(reader.take(length.parse().context("content-length")?)),
-            None => Box::new(reader.take(MAX_BODY)),
-        })
-    }
+    crate::client::send(stream, "llama", method, path, body)
 }
 
 /// A complete response.
@@ -137,14 +69,12 @@ pub fn request_on(
     )?;
     let mut reader = BufReader::new(stream);
     let head = Head::read(&mut reader)?;
-    let mut text = String::new();
-    head.body(reader)?
-        .take(MAX_BODY)
-        .read_to_string(&mut text)
+    let body = head
+        .body_text(reader)
         .with_context(|| format!("reading the body of {method} {path}"))?;
     Ok(Reply {
         status: head.status,
-        body: text,
+        body,
     })
 }
 
@@ -210,10 +140,7 @@ impl CompletionStream {
         let mut reader = BufReader::new(stream);
         let head = Head::read(&mut reader)?;
         if head.status != 200 {
-            let mut text = String::new();
-            head.body(reader)?
-                .take(MAX_BODY)
-                .read_to_string(&mut text)?;
+            let text = head.body_text(reader)?;
             bail!("/v1/completions answered {}: {text}", head.status);
         }
         let content_type = head.header("content-type").unwrap_or_default();
@@ -318,69 +245,4 @@ pub fn sample(metrics: &BTreeMap<String, f64>, name: &str) -> Result<f64> {
         .get(name)
         .copied()
         .with_context(|| format!("no {name} in the exposition"))
-}
-
-/// HTTP/1.1 chunked transfer decoding.
-struct Chunked<R> {
-    inner: R,
-    remaining: usize,
-    finished: bool,
-}
-
-impl<R: BufRead> Chunked<R> {
-    fn new(inner: R) -> Self {
-        Self {
-            inner,
-            remaining: 0,
-            finished: false,
-        }
-    }
-}
-
-impl<R: BufRead> Read for Chunked<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.finished || buf.is_empty() {
-            return Ok(0);
-        }
-        if self.remaining == 0 {
-            let mut line = String::new();
-            if self.inner.read_line(&mut line)? == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed inside a chunked body",
-                ));
-            }
-            let size = line.trim_end().split(';').next().unwrap_or_default();
-            self.remaining = usize::from_str_radix(size.trim(), 16).map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("bad chunk size {line:?}"),
-                )
-            })?;
-            if self.remaining == 0 {
-                self.finished = true;
-                return Ok(0);
-            }
-        }
-        let want = buf.len().min(self.remaining);
-        let n = self.inner.read(&mut buf[..want])?;
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed inside a chunk",
-            ));
-        }
-        self.remaining -= n;
-        if self.remaining == 0 {
-            let mut crlf = [0; 2];
-            self.inner.read_exact(&mut crlf)?;
-            if &crlf != b"\r\n" {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "chunk not followed by CRLF",
-                ));
-            }
-        }
-        Ok(n)
-    }
 }

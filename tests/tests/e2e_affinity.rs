@@ -41,9 +41,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use balancer_agent::affinity::{home, Member};
+use balancer_agent::control::{PoolView, ServerRow};
 use balancer_agent::hint;
 use balancer_common::hint::HintRange;
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig, ShownPool, ShownServer};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::sim::client as sim_client;
 use balancer_tests::topology::{
@@ -189,7 +190,7 @@ impl<'t> Bed<'t> {
         self.agent.as_ref().expect("an agent runs")
     }
 
-    fn show(&self) -> Result<ShownPool> {
+    fn show(&self) -> Result<PoolView> {
         self.agent().show(POOL)
     }
 
@@ -198,8 +199,8 @@ impl<'t> Bed<'t> {
         &self,
         what: &str,
         timeout: Duration,
-        pred: impl Fn(&ShownPool) -> Result<bool>,
-    ) -> Result<ShownPool> {
+        pred: impl Fn(&PoolView) -> Result<bool>,
+    ) -> Result<PoolView> {
         let deadline = Instant::now() + timeout;
         loop {
             let pool = self.show()?;
@@ -496,7 +497,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// `show` as a table like the brief's.
-fn table(pool: &ShownPool) -> String {
+fn table(pool: &PoolView) -> String {
     let num = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
     let mut out = format!(
         "    {:<16} {:>7} {:>7} {:>6} {:>7}  {:<9} {:>6}  reason\n",
@@ -519,7 +520,7 @@ fn table(pool: &ShownPool) -> String {
     out
 }
 
-fn row(pool: &ShownPool, i: usize) -> Result<&ShownServer> {
+fn row(pool: &PoolView, i: usize) -> Result<&ServerRow> {
     pool.server(Family::V4.backend(i))
 }
 
@@ -1337,9 +1338,9 @@ fn example_story(
     let client = bed.topology.client();
     // Both busy, with a TTFT below the threshold, 10.4.0.13's the lower; twice, two scrapes
     // apart, so that it is their steady state and not a start-up transient.
-    let busy = |pool: &ShownPool| -> Result<bool> {
+    let busy = |pool: &PoolView| -> Result<bool> {
         let (other, best) = (row(pool, OTHER)?, row(pool, BEST)?);
-        let below = |s: &ShownServer| s.ttft_ms.is_some_and(|t| t < f64::from(SPILL_TTFT_MS));
+        let below = |s: &ServerRow| s.ttft_ms.is_some_and(|t| t < f64::from(SPILL_TTFT_MS));
         Ok(below(best)
             && below(other)
             && best.ttft_ms < other.ttft_ms

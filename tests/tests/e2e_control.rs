@@ -31,7 +31,8 @@ use std::thread::{self, sleep};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig, ShownPool, ShownServer};
+use balancer_agent::control::{PoolView, ServerRow};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::{SimBackends, SimState};
 use balancer_tests::sim::client::{self, Item, Stream};
 use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
@@ -184,12 +185,12 @@ fn address(i: usize) -> IpAddr {
     Family::V4.backend(i)
 }
 
-fn row(pool: &ShownPool, i: usize) -> Result<&ShownServer> {
+fn row(pool: &PoolView, i: usize) -> Result<&ServerRow> {
     pool.server(address(i))
 }
 
 /// Scraped recently enough to be fresh, UP, taking connections.
-fn healthy(row: &ShownServer) -> bool {
+fn healthy(row: &ServerRow) -> bool {
     row.state == "UP"
         && row.weight > 0
         && row.scrape_error.is_none()
@@ -223,7 +224,7 @@ impl Bed<'_> {
         Ok(start..end)
     }
 
-    fn show(&self) -> Result<ShownPool> {
+    fn show(&self) -> Result<PoolView> {
         self.agent.show(POOL)
     }
 
@@ -232,8 +233,8 @@ impl Bed<'_> {
         &self,
         what: &str,
         timeout: Duration,
-        pred: impl Fn(&ShownPool) -> Result<bool>,
-    ) -> Result<(ShownPool, Instant)> {
+        pred: impl Fn(&PoolView) -> Result<bool>,
+    ) -> Result<(PoolView, Instant)> {
         let deadline = Instant::now() + timeout;
         loop {
             let pool = self.show()?;
@@ -1150,7 +1151,7 @@ fn wait_checks_paused(bed: &Bed) -> Result<()> {
 }
 
 /// (server, state, whether it takes connections): what a configuration decides.
-fn shape(pool: &ShownPool) -> Vec<(String, String, bool)> {
+fn shape(pool: &PoolView) -> Vec<(String, String, bool)> {
     pool.servers
         .iter()
         .map(|s| (s.server.clone(), s.state.clone(), s.weight > 0))

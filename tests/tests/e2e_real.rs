@@ -35,9 +35,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use balancer_agent::affinity::{home, Member};
+use balancer_agent::control::{PoolView, ServerRow};
 use balancer_agent::hint;
 use balancer_common::hint::HintRange;
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig, ShownPool, ShownServer};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::llama::{self, completion_body, CompletionStream, Streamed};
 use balancer_tests::real_backend::{self, LlamaOptions, LlamaServer, RealBackend, MODEL_ALIAS};
 use balancer_tests::topology::{
@@ -198,7 +199,7 @@ struct Bed<'t> {
 }
 
 impl Bed<'_> {
-    fn show(&self) -> Result<ShownPool> {
+    fn show(&self) -> Result<PoolView> {
         self.agent.show(POOL)
     }
 
@@ -207,8 +208,8 @@ impl Bed<'_> {
         &self,
         what: &str,
         timeout: Duration,
-        pred: impl Fn(&ShownPool) -> Result<bool>,
-    ) -> Result<ShownPool> {
+        pred: impl Fn(&PoolView) -> Result<bool>,
+    ) -> Result<PoolView> {
         let deadline = Instant::now() + timeout;
         loop {
             let pool = self.show()?;
@@ -642,8 +643,8 @@ impl Timeline {
         &mut self,
         bed: &Bed,
         what: &str,
-        pred: impl Fn(&ShownServer) -> bool,
-    ) -> Result<ShownPool> {
+        pred: impl Fn(&ServerRow) -> bool,
+    ) -> Result<PoolView> {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let pool = bed.show()?;

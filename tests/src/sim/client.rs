@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 
+pub use crate::client::Head;
+use crate::client::MAX_BODY;
+
 /// Bound on connecting and on each read or write, unless changed.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
-const MAX_BODY: u64 = 16 << 20;
-const MAX_HEAD_LINES: usize = 64;
 
 /// Connects to `addr` from `src_port` (0: any port).
 fn connect(addr: SocketAddr, src_port: u16) -> Result<TcpStream> {
@@ -25,73 +26,7 @@ fn connect(addr: SocketAddr, src_port: u16) -> Result<TcpStream> {
 }
 
 fn send(stream: &mut TcpStream, method: &str, path: &str, body: Option<&str>) -> Result<()> {
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n");
-    if let Some(body) = body {
-        request.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        ));
-    } else {
-        request.push_str("\r\n");
-    }
-    stream
-        .write_all(request.as_bytes())
-        .with_context(|| format!("sending {method} {path}"))
-}
-
-/// Status and headers (names lowercased).
-#[derive(Debug, Clone)]
-pub struct Head {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-}
-
-impl Head {
-    fn read(reader: &mut impl BufRead) -> Result<Self> {
-        let mut line = String::new();
-        reader
-            .read_line(&mut line)
-            .context("reading the status line")?;
-        let status = line
-            .strip_prefix("HTTP/1.1 ")
-            .and_then(|rest| rest.get(..3))
-            .and_then(|code| code.parse().ok())
-            .with_context(|| format!("bad status line {line:?}"))?;
-        let mut headers = Vec::new();
-        for _ in 0..MAX_HEAD_LINES {
-            line.clear();
-            if reader.read_line(&mut line).context("reading headers")? == 0 {
-                bail!("connection closed inside the response head");
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                return Ok(Self { status, headers });
-            }
-            let (name, value) = line
-                .split_once(':')
-                .with_context(|| format!("bad header line {line:?}"))?;
-            headers.push((name.trim().to_ascii_lowercase(), value.trim().to_owned()));
-        }
-        bail!("more than {MAX_HEAD_LINES} header lines")
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// The body that follows this head: chunked, sized, or up to the end of the connection.
-    fn body<R: BufRead + Send + 'static>(&self, reader: R) -> Result<Box<dyn Read + Send>> {
-        if self.header("transfer-encoding") == Some("chunked") {
-            return Ok(Box::new(Chunked::new(reader)));
-        }
-        Ok(match self.header("content-length") {
-            Some(length) => Box::new(reader.take(length.parse().context("content-length")?)),
-            None => Box::new(reader.take(MAX_BODY)),
-        })
-    }
+    crate::client::send(stream, "sim", method, path, body)
 }
 
 /// A complete response.
@@ -128,10 +63,8 @@ pub fn request_from(
     send(&mut stream, method, path, body)?;
     let mut reader = BufReader::new(stream);
     let head = Head::read(&mut reader)?;
-    let mut body = String::new();
-    head.body(reader)?
-        .take(MAX_BODY)
-        .read_to_string(&mut body)
+    let body = head
+        .body_text(reader)
         .with_context(|| format!("reading the body of {method} {path}"))?;
     Ok(Reply { head, body })
 }
@@ -195,8 +128,7 @@ impl Stream {
         let mut reader = BufReader::new(stream);
         let head = Head::read(&mut reader)?;
         if head.status != 200 {
-            let mut body = String::new();
-            head.body(reader)?.read_to_string(&mut body)?;
+            let body = head.body_text(reader)?;
             bail!("{path} answered {}: {body}", head.status);
         }
         ensure!(
@@ -272,69 +204,4 @@ pub fn chunk_text(data: &Value) -> Option<&str> {
         .get("text")
         .or_else(|| choice.get("delta")?.get("content"))
         .and_then(Value::as_str)
-}
-
-/// HTTP/1.1 chunked transfer decoding.
-struct Chunked<R> {
-    inner: R,
-    remaining: usize,
-    finished: bool,
-}
-
-impl<R: BufRead> Chunked<R> {
-    fn new(inner: R) -> Self {
-        Self {
-            inner,
-            remaining: 0,
-            finished: false,
-        }
-    }
-}
-
-impl<R: BufRead> Read for Chunked<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.finished {
-            return Ok(0);
-        }
-        if self.remaining == 0 {
-            let mut line = String::new();
-            if self.inner.read_line(&mut line)? == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed inside a chunked body",
-                ));
-            }
-            let size = line.trim_end().split(';').next().unwrap_or_default();
-            self.remaining = usize::from_str_radix(size, 16).map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("bad chunk size {line:?}"),
-                )
-            })?;
-            if self.remaining == 0 {
-                self.finished = true;
-                return Ok(0);
-            }
-        }
-        let want = buf.len().min(self.remaining);
-        let n = self.inner.read(&mut buf[..want])?;
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed inside a chunk",
-            ));
-        }
-        self.remaining -= n;
-        if self.remaining == 0 {
-            let mut crlf = [0; 2];
-            self.inner.read_exact(&mut crlf)?;
-            if &crlf != b"\r\n" {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "chunk not followed by CRLF",
-                ));
-            }
-        }
-        Ok(n)
-    }
 }
