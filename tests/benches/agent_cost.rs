@@ -3,7 +3,7 @@
 //! a flow table sized for a million connections.
 //!
 //! One namespace holds everything: a veth pair for the agent to attach to (nothing flows
-//! there), a dummy interface with 256 addresses, and one `bench-server` process listening on
+//! there), 256 addresses on its loopback interface, and one `bench-server` process listening on
 //! every one of them (API port 8000, metrics port 8001) and serving the exposition an idle
 //! `inference-sim` publishes in the vLLM dialect (captured at the start). The agent, built
 //! with `--release`, scrapes them over loopback: two pools of 128 servers (a pool holds at
@@ -132,16 +132,15 @@ fn measure(
     plan: &Plan,
 ) -> Result<(Vec<Cost>, Vec<MapMem>, Vec<MapMem>)> {
     ns.ip(&["link", "add", "a0", "type", "veth", "peer", "name", "a1"])?;
-    ns.ip(&["link", "add", "d0", "type", "dummy"])?;
     let batch: String = (0..SERVERS)
-        .map(|i| format!("addr add {}/32 dev d0\n", address(i)))
+        .map(|i| format!("addr add {}/32 dev lo\n", address(i)))
         .collect();
     let batch_file = dir.join("addresses.batch");
     std::fs::write(&batch_file, batch)?;
     run(std::process::Command::new("ip")
         .args(["-n", ns.name(), "-batch"])
         .arg(&batch_file))?;
-    for dev in ["a0", "a1", "d0"] {
+    for dev in ["a0", "a1"] {
         ns.ip(&["link", "set", dev, "up"])?;
     }
 
@@ -287,7 +286,7 @@ fn stale_servers(agent: &Path, socket: &Path, interval: Duration) -> Result<usiz
         stale += pool
             .servers
             .iter()
-            .filter(|s| s.scrape_error.is_some() || !s.metrics_age_ms.is_some_and(|a| a <= limit))
+            .filter(|s| s.scrape_error.is_some() || s.metrics_age_ms.is_none_or(|a| a > limit))
             .count();
     }
     Ok(stale)
@@ -340,7 +339,7 @@ fn map_memory(pid: libc::pid_t) -> Result<Vec<MapMem>> {
         });
     }
     ensure!(!maps.is_empty(), "the agent holds no BPF map");
-    maps.sort_by(|a, b| b.memlock.cmp(&a.memlock));
+    maps.sort_by_key(|m| std::cmp::Reverse(m.memlock));
     Ok(maps)
 }
 
@@ -371,7 +370,9 @@ fn fill_flows(id: u32, n: u32) -> Result<()> {
             idle_timeout_s: 600,
             ..Default::default()
         };
-        table.insert(key, entry, 0).context("filling the flow table")?;
+        table
+            .insert(key, entry, 0)
+            .context("filling the flow table")?;
     }
     Ok(())
 }
@@ -422,7 +423,8 @@ fn report(
         );
         out.figures
             .insert(format!("{key}.cpu_ms_per_tick"), c.cpu_ms_per_tick);
-        out.figures.insert(format!("{key}.cpu_percent"), c.cpu_percent);
+        out.figures
+            .insert(format!("{key}.cpu_percent"), c.cpu_percent);
         out.figures.insert(format!("{key}.rss_mib"), c.rss_mib);
         out.figures
             .insert(format!("{key}.stale"), Some(c.stale as f64));
@@ -473,7 +475,8 @@ fn report(
         mib(total)
     );
     out.figures.insert("flow_table_mib".into(), flows_mib);
-    out.figures.insert("flow_table_mib_filled".into(), after_mib);
+    out.figures
+        .insert("flow_table_mib_filled".into(), after_mib);
     out.figures
         .insert("bytes_per_connection".into(), per_connection);
     out.figures.insert("all_maps_mib".into(), Some(mib(total)));

@@ -187,6 +187,10 @@ impl Histogram {
             return None;
         }
         let rank = ((q * self.n as f64).ceil() as u64).clamp(1, self.n);
+        // The last rank is the largest value seen, not its bucket's representative.
+        if rank == self.n {
+            return Some(self.max);
+        }
         let mut seen = 0;
         for (i, c) in self.counts.iter().enumerate() {
             seen += c;
@@ -215,7 +219,7 @@ pub fn median(values: &[Option<f64>]) -> Option<f64> {
 }
 
 /// What one benchmark leaves for `cargo xtask bench`.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default)]
 pub struct Report {
     /// `packet-cost`, `gateway`, `routing`, `agent-cost`.
     pub name: String,
@@ -230,16 +234,26 @@ pub struct Report {
 }
 
 impl Report {
-    /// Writes `NAME.md` and `NAME.json` to [`out_dir`], prints the section, and fails if a
-    /// figure is missing (after writing, so that the report shows which).
+    /// Writes to [`out_dir`] `NAME.md` (the section), `NAME.summary` (its lines for the
+    /// terminal) and `NAME.figures` (`key<TAB>value` lines, `-` for a figure not produced:
+    /// what `cargo xtask bench` checks), prints the section, and fails if a figure is missing
+    /// (after writing, so that the report shows which).
     pub fn write(&self) -> Result<()> {
         let dir = out_dir();
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         std::fs::write(dir.join(format!("{}.md", self.name)), &self.markdown)?;
-        std::fs::write(
-            dir.join(format!("{}.json", self.name)),
-            serde_json::to_string_pretty(self)?,
-        )?;
+        let mut summary = self.summary.join("\n");
+        summary.push('\n');
+        std::fs::write(dir.join(format!("{}.summary", self.name)), summary)?;
+        let figures: String = self
+            .figures
+            .iter()
+            .map(|(k, v)| match v {
+                Some(v) if v.is_finite() => format!("{k}\t{v}\n"),
+                _ => format!("{k}\t-\n"),
+            })
+            .collect();
+        std::fs::write(dir.join(format!("{}.figures", self.name)), figures)?;
         println!("{}", self.markdown);
         for line in &self.summary {
             println!("{line}");

@@ -1,5 +1,6 @@
-//! Project automation: `cargo xtask setup | test | build | demo | real-backend`.
+//! Project automation: `cargo xtask setup | test | build | bench | demo | real-backend`.
 
+mod bench;
 mod cmd;
 mod demo;
 mod real_backend;
@@ -38,6 +39,15 @@ enum Command {
     },
     /// Check prerequisites, then `cargo build --workspace --release`.
     Build,
+    /// The benchmark suite (packet cost, gateway throughput against nftables and HAProxy,
+    /// routing quality, agent cost): writes docs/benchmarks.md and prints a summary. About
+    /// 20 minutes. Needs root.
+    Bench {
+        /// Reduced versions (under 3 minutes once built) that check every figure is
+        /// produced; writes target/bench/benchmarks.md, not the docs.
+        #[arg(long)]
+        quick: bool,
+    },
     /// The worked example, live in network namespaces: four inference servers behind a VIP,
     /// the agent's pool table, spills, a streamed completion, a drain. About a minute;
     /// Ctrl-C stops it. Needs root.
@@ -72,6 +82,7 @@ fn main() -> ExitCode {
             cargo_test_args,
         } => test::run(skip_setup, &cargo_test_args),
         Command::Build => build(),
+        Command::Bench { quick } => bench::run(quick),
         Command::Demo {
             keep,
             clean,

@@ -99,8 +99,12 @@ pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
     let mut python = Command::new("python3");
     python.args(["-m", "unittest", "discover", "-s", "clients/python", "-v"]);
 
-    // Steps run in order and stop at the first failure. Later steps (e.g. the
-    // benchmark in `--quick` mode) go at the end of this list.
+    // The benchmark suite, reduced: it checks that every figure is still produced.
+    let mut bench = Command::new(std::env::current_exe().context("the xtask executable")?);
+    bench.args(["bench", "--quick"]);
+
+    // Steps run in order and stop at the first failure. Later steps go at the end of this
+    // list.
     let steps = vec![
         Step {
             name: "fmt",
@@ -121,6 +125,11 @@ pub fn run(skip_setup: bool, cargo_test_args: &[String]) -> Result<()> {
             name: "test",
             cmd: test,
             counts_tests: true,
+        },
+        Step {
+            name: "bench --quick",
+            cmd: bench,
+            counts_tests: false,
         },
     ];
 

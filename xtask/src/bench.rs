@@ -1,0 +1,261 @@
+//! `cargo xtask bench [--quick]`: the benchmark suite of issue 8, from one run.
+//!
+//! Runs the four benchmarks of the tests crate (packet cost, gateway throughput, routing
+//! quality, agent cost) one after the other, each with `cargo bench -p balancer-tests
+//! --bench NAME`, its output in `target/bench/NAME.log`. Each leaves in `target/bench/` its
+//! markdown section (`REPORT.md`), its figures (`REPORT.figures`) and its summary lines
+//! (`REPORT.summary`). This checks that every figure was produced (not its value), puts the
+//! sections together under a header naming the machine, the kernel and the date, and prints
+//! a compact summary.
+//!
+//! The full run writes `docs/benchmarks.md`; `--quick` runs reduced versions (under three
+//! minutes once built; part of `cargo xtask test`) and writes `target/bench/benchmarks.md`
+//! instead, leaving the docs alone.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::cmd;
+
+/// (cargo bench target, report name, what it measures).
+const BENCHES: [(&str, &str, &str); 4] = [
+    (
+        "packet_cost",
+        "packet-cost",
+        "packet cost under BPF_PROG_TEST_RUN",
+    ),
+    (
+        "gateway",
+        "gateway",
+        "gateway throughput: ours, nftables, HAProxy",
+    ),
+    ("routing", "routing", "routing quality on four simulators"),
+    ("agent_cost", "agent-cost", "agent cost with 256 servers"),
+];
+
+pub fn run(quick: bool) -> Result<()> {
+    if !cmd::is_root()? {
+        bail!(
+            "cargo xtask bench needs root (BPF_PROG_TEST_RUN, network namespaces, XDP, \
+             nftables, HAProxy); run it as root"
+        );
+    }
+    let root = cmd::workspace_root();
+    let out = root.join("target/bench");
+    fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let mode = if quick { "quick" } else { "full" };
+    let load_before = load_average();
+
+    // Build first, so that the timings below are the benchmarks' own.
+    let built = Instant::now();
+    println!("==> building the benchmarks (release)");
+    cmd::run(cmd::cargo().current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "balancer-agent",
+        "--bin",
+        "balancer-agent",
+    ]))?;
+    cmd::run(
+        cmd::cargo()
+            .current_dir(&root)
+            .args(["bench", "-p", "balancer-tests", "--no-run"]),
+    )?;
+    let build_time = built.elapsed();
+
+    let started = Instant::now();
+    let mut sections = Vec::new();
+    let mut summary = Vec::new();
+    let mut timings = Vec::new();
+    for (bench, report, what) in BENCHES {
+        for ext in ["md", "figures", "summary"] {
+            let stale = out.join(format!("{report}.{ext}"));
+            if stale.exists() {
+                fs::remove_file(&stale).with_context(|| format!("removing {}", stale.display()))?;
+            }
+        }
+        let log = out.join(format!("{bench}.log"));
+        println!("==> {what} ({bench}, {mode}); log: {}", log.display());
+        let t = Instant::now();
+        let mut command = cmd::cargo();
+        command
+            .current_dir(&root)
+            .args(["bench", "-p", "balancer-tests", "--bench", bench]);
+        if quick {
+            command.args(["--", "--quick"]);
+        }
+        run_logged(&mut command, &log)?;
+        let took = t.elapsed();
+        let section = read(&out.join(format!("{report}.md")))?;
+        check_figures(&out.join(format!("{report}.figures")))?;
+        summary.extend(
+            read(&out.join(format!("{report}.summary")))?
+                .lines()
+                .map(str::to_owned),
+        );
+        println!("    done in {:.0} s", took.as_secs_f64());
+        timings.push(format!("{bench} {:.0} s", took.as_secs_f64()));
+        sections.push(section);
+    }
+    let total = started.elapsed();
+    let load_after = load_average();
+
+    let mut doc = header(
+        quick,
+        &load_before,
+        &load_after,
+        total,
+        build_time,
+        &timings,
+    )?;
+    for section in &sections {
+        doc.push_str(section.trim_end());
+        doc.push_str("\n\n");
+    }
+    let target: PathBuf = if quick {
+        out.join("benchmarks.md")
+    } else {
+        root.join("docs/benchmarks.md")
+    };
+    fs::write(&target, &doc).with_context(|| format!("writing {}", target.display()))?;
+
+    println!();
+    println!("== benchmark summary ({mode}) ==");
+    for line in &summary {
+        println!("{line}");
+    }
+    println!(
+        "total {:.0} s ({}), build {:.0} s; load average {} before, {} after",
+        total.as_secs_f64(),
+        timings.join(", "),
+        build_time.as_secs_f64(),
+        load_before,
+        load_after
+    );
+    println!("wrote {}", target.display());
+    Ok(())
+}
+
+/// Runs `command` with stdout and stderr in `log`; on failure, shows the end of the log.
+fn run_logged(command: &mut Command, log: &Path) -> Result<()> {
+    let shown = cmd::display(command);
+    println!("$ {shown}");
+    let file = fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let status = command
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .status()
+        .with_context(|| format!("starting `{shown}`"))?;
+    if !status.success() {
+        let text = fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+        bail!(
+            "`{shown}` failed ({status}); the end of {}:\n{tail}",
+            log.display()
+        );
+    }
+    Ok(())
+}
+
+fn read(path: &Path) -> Result<String> {
+    fs::read_to_string(path).with_context(|| format!("reading {} (not written?)", path.display()))
+}
+
+/// Every line `key<TAB>value` has a finite value: every figure was produced.
+fn check_figures(path: &Path) -> Result<()> {
+    let text = read(path)?;
+    let mut count = 0;
+    let mut missing = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let (key, value) = line
+            .split_once('\t')
+            .with_context(|| format!("{}: bad line {line:?}", path.display()))?;
+        count += 1;
+        if !value.trim().parse::<f64>().is_ok_and(f64::is_finite) {
+            missing.push(key.to_owned());
+        }
+    }
+    ensure!(count > 0, "{}: no figures", path.display());
+    ensure!(
+        missing.is_empty(),
+        "{}: figures not produced: {}",
+        path.display(),
+        missing.join(", ")
+    );
+    Ok(())
+}
+
+fn load_average() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn header(
+    quick: bool,
+    load_before: &str,
+    load_after: &str,
+    total: Duration,
+    build: Duration,
+    timings: &[String],
+) -> Result<String> {
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| Some(l.strip_prefix("model name")?.split_once(':')?.1.trim()))
+        .unwrap_or("unknown CPU");
+    let nproc = cmd::query(&mut Command::new("nproc"))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "?".into());
+    let kernel = cmd::query(Command::new("uname").arg("-r"))?
+        .trim()
+        .to_owned();
+    let date = cmd::query(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]))?
+        .trim()
+        .to_owned();
+    let memory = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let kb: f64 = m
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            Some(format!("{:.0} GiB", kb / 1024.0 / 1024.0))
+        })
+        .unwrap_or_else(|| "?".into());
+    let mut doc = String::from("# Benchmarks\n\n");
+    if quick {
+        doc += "**Quick run (`cargo xtask bench --quick`): reduced sizes, for checking that \
+                every figure is produced; not for quoting.**\n\n";
+    }
+    doc += &format!(
+        "Written by `cargo xtask bench{}` from one run: every table below comes from that run, \
+         and every comparison is a ratio measured within it, competitors and ours alternating.\n\n\
+         - machine: {model}, {nproc} CPUs (`nproc`), {memory} RAM\n\
+         - kernel: {kernel}\n\
+         - date: {date}\n\
+         - load average (1, 5, 15 min) before: {load_before}; after: {load_after}. The machine \
+         is shared: other builds and tests may have run during the benchmarks.\n\
+         - run time: {:.0} s ({}), after {:.0} s of building\n\n\
+         Where a goal is missed, the table says so. Reproduce with `cargo xtask bench` as \
+         root; each part alone with `cargo bench -p balancer-tests --bench NAME [-- --quick]`.\n\n",
+        if quick { " --quick" } else { "" },
+        total.as_secs_f64(),
+        timings.join(", "),
+        build.as_secs_f64(),
+    );
+    Ok(doc)
+}
