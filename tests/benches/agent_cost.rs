@@ -11,8 +11,10 @@
 //! measures the scrape loop (scrapes, parsing, policy, map updates).
 //!
 //! - CPU per tick: the agent's user + system time (`/proc/PID/stat`) over a window after
-//!   every server has been scraped, divided by the ticks in the window (window / interval).
-//!   Every server must still be fresh at the end of the window.
+//!   every server has been scraped, divided by the scrape rounds in the window: the
+//!   `/metrics` requests `bench-server` answered in it, over 256. The rounds due in the
+//!   window (window / interval) are shown next to them: fewer done than due means the agent
+//!   did not keep up. Every server must still be fresh at the end of the window.
 //! - Memory: VmRSS and VmHWM of the agent at the end of the window.
 //! - Map memory: `memlock` of every BPF map the agent holds (`/proc/PID/fdinfo`), the
 //!   kernel's own accounting of the map's memory; the flow table is preallocated, and the
@@ -32,6 +34,7 @@ use balancer_tests::agent::{release_agent_binary, ShownPool};
 use balancer_tests::bench::{cpu_seconds, fmt, quick_flag, status_kib, Report};
 use balancer_tests::netns::{sweep_stale, temp_dir, Netns};
 use balancer_tests::process::{run, Process, STOP_GRACE};
+use balancer_tests::sim::client as sim_client;
 use balancer_tests::sim::launch::SimServer;
 
 const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
@@ -57,7 +60,9 @@ struct Cost {
     interval: Duration,
     cpu_ms_per_tick: Option<f64>,
     cpu_percent: Option<f64>,
+    /// Scrape rounds done in the window, and due (window / interval).
     ticks: f64,
+    due: f64,
     rss_mib: Option<f64>,
     hwm_mib: Option<f64>,
     stale: usize,
@@ -192,25 +197,29 @@ fn measure(
             let pid = process.pid();
             wait_all_fresh(agent, &socket, interval)?;
             sleep(warmup);
+            let scrapes0 = scrapes(ns)?;
             let cpu0 = cpu_seconds(pid)?;
             let t0 = Instant::now();
             sleep(window);
             let cpu = cpu_seconds(pid)? - cpu0;
             let wall = t0.elapsed();
+            let scraped = scrapes(ns)? - scrapes0;
             let (rss, hwm) = (status_kib(pid, "VmRSS")?, status_kib(pid, "VmHWM")?);
             let stale = stale_servers(agent, &socket, interval)?;
-            let ticks = wall.as_secs_f64() / interval.as_secs_f64();
+            let due = wall.as_secs_f64() / interval.as_secs_f64();
+            let ticks = scraped as f64 / SERVERS as f64;
             costs.push(Cost {
                 interval,
-                cpu_ms_per_tick: Some(cpu * 1e3 / ticks),
+                cpu_ms_per_tick: (ticks > 0.0).then(|| cpu * 1e3 / ticks),
                 cpu_percent: Some(cpu / wall.as_secs_f64() * 100.0),
                 ticks,
+                due,
                 rss_mib: Some(rss as f64 / 1024.0),
                 hwm_mib: Some(hwm as f64 / 1024.0),
                 stale,
             });
             eprintln!(
-                "interval {interval:?}: {:.2} ms CPU per tick ({:.1}% of a core) over {ticks:.0} ticks, RSS {:.1} MiB, {stale} stale",
+                "interval {interval:?}: {:.2} ms CPU per tick ({:.1}% of a core) over {ticks:.1} rounds ({due:.1} due), RSS {:.1} MiB, {stale} stale",
                 cpu * 1e3 / ticks,
                 cpu / wall.as_secs_f64() * 100.0,
                 rss as f64 / 1024.0
@@ -240,6 +249,15 @@ fn measure(
         ensure!(status.success(), "the agent exited with {status}");
     }
     Ok((costs, maps, filled))
+}
+
+/// The `/metrics` requests `bench-server` has answered so far.
+fn scrapes(ns: &Netns) -> Result<u64> {
+    let addr = SocketAddr::new(address(0).into(), 8001);
+    let reply = ns.enter(|| sim_client::get(addr, "/stats"))?;
+    reply.json()?["metrics_requests"]
+        .as_u64()
+        .with_context(|| format!("bench-server /stats: {}", reply.body))
 }
 
 fn config_text(interval: Duration, socket: &Path) -> String {
@@ -402,19 +420,21 @@ fn report(
          vLLM-dialect exposition of an idle `inference-sim` (about 9 KB, 84 samples) on each. \
          Health checks once at the start, then every 600 s, so that the window measures the \
          scrape loop. CPU: the agent's user + system time from `/proc/PID/stat` over the \
-         window, divided by window / interval; every server fresh (scraped within three \
+         window, divided by the scrape rounds done in it (the `/metrics` requests \
+         `bench-server` answered, over 256; fewer than due means the agent fell behind); every server fresh (scraped within three \
          intervals, no error) at the end of the window. Memory: VmRSS and VmHWM from \
          `/proc/PID/status` (BPF maps are kernel memory, not in RSS).\n\n",
         SERVERS / POOLS
     );
-    md += "| scrape interval | window (ticks) | CPU per tick (ms) | CPU (% of one core) | RSS (MiB) | peak RSS (MiB) | stale servers at the end |\n\
+    md += "| scrape interval | scrape rounds in the window: done / due | CPU per round (ms) | CPU (% of one core) | RSS (MiB) | peak RSS (MiB) | stale servers at the end |\n\
            |---|---:|---:|---:|---:|---:|---:|\n";
     for c in costs {
         let key = format!("interval_{}ms", c.interval.as_millis());
         md += &format!(
-            "| {} ms | {:.0} | {} | {} | {} | {} | {} |\n",
+            "| {} ms | {:.1} / {:.1} | {} | {} | {} | {} | {} |\n",
             c.interval.as_millis(),
             c.ticks,
+            c.due,
             fmt(c.cpu_ms_per_tick, 2),
             fmt(c.cpu_percent, 1),
             fmt(c.rss_mib, 1),
@@ -425,14 +445,19 @@ fn report(
             .insert(format!("{key}.cpu_ms_per_tick"), c.cpu_ms_per_tick);
         out.figures
             .insert(format!("{key}.cpu_percent"), c.cpu_percent);
+        out.figures
+            .insert(format!("{key}.rounds_done"), Some(c.ticks));
+        out.figures.insert(format!("{key}.rounds_due"), Some(c.due));
         out.figures.insert(format!("{key}.rss_mib"), c.rss_mib);
         out.figures
             .insert(format!("{key}.stale"), Some(c.stale as f64));
         out.summary.push(format!(
-            "agent    {SERVERS} servers every {:>4} ms: {:>6} ms CPU per tick ({:>5}% of a core), RSS {} MiB, {} stale",
+            "agent    {SERVERS} servers every {:>4} ms: {:>6} ms CPU per tick ({:>5}% of a core), {:.1}/{:.1} rounds done/due, RSS {} MiB, {} stale",
             c.interval.as_millis(),
             fmt(c.cpu_ms_per_tick, 2),
             fmt(c.cpu_percent, 1),
+            c.ticks,
+            c.due,
             fmt(c.rss_mib, 1),
             c.stale
         ));

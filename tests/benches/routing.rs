@@ -29,6 +29,7 @@
 //!
 //! `cargo bench -p balancer-tests --bench routing [-- --quick]`, as root.
 
+use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -105,6 +106,8 @@ const MAX_IN_FLIGHT: usize = 256;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const READ_TIMEOUT: Duration = Duration::from_secs(60);
 const QUEUE_POLL: Duration = Duration::from_millis(100);
+/// Bound on waiting for the server's close after `[DONE]`.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct Plan {
     /// One round per regime (indexes into [`REGIMES`]), the order of the policies rotating.
@@ -474,6 +477,9 @@ fn request(policy: Policy, preambles: &[String], job: &Job, t0: Instant) -> Resu
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    // To wait for the server's close at the end: reading our end to EOF means the server
+    // closed first, so our source port does not sit in TIME_WAIT (a bucket has 64 ports).
+    let socket = stream.try_clone()?;
     let mut stream = Stream::open_on(stream, READ_TIMEOUT, "/v1/completions", &body)?;
     let mut outcome = Outcome {
         backend: stream
@@ -509,6 +515,12 @@ fn request(policy: Policy, preambles: &[String], job: &Job, t0: Instant) -> Resu
                     job.max_tokens
                 );
                 outcome.finished_at = Some(at - t0);
+                socket.set_read_timeout(Some(CLOSE_TIMEOUT))?;
+                let mut rest = Vec::new();
+                (&socket)
+                    .take(4096)
+                    .read_to_end(&mut rest)
+                    .context("waiting for the server to close")?;
                 return Ok(outcome);
             }
             None => bail!("the stream ended after {tokens} tokens, without [DONE]"),

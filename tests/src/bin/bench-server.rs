@@ -9,10 +9,13 @@
 //!   dialect of an idle server).
 //! - `GET /v1/models`, `POST /v1/completions`: a model and a one-token answer, for the
 //!   agent's health checks.
+//! - `GET /stats`: how many `/metrics` requests this process has answered, on all its
+//!   addresses (the agent-cost benchmark counts scrapes with it).
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -51,6 +54,7 @@ struct App {
     name: String,
     metrics: Bytes,
     chunk: Bytes,
+    scrapes: AtomicU64,
 }
 
 #[derive(Deserialize)]
@@ -72,12 +76,14 @@ async fn main() -> anyhow::Result<()> {
         name: format!("{}\n", args.name),
         metrics: Bytes::from(metrics),
         chunk: Bytes::from(vec![b'x'; CHUNK]),
+        scrapes: AtomicU64::new(0),
     });
     let router = Router::new()
         .route("/", get(identity))
         .route("/bulk", get(bulk))
         .route("/metrics", get(metrics_text))
         .route("/health", get(|| async { "ok\n" }))
+        .route("/stats", get(stats))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completion))
         .with_state(app)
@@ -112,7 +118,15 @@ async fn identity(State(app): State<Arc<App>>) -> String {
     app.name.clone()
 }
 
+async fn stats(State(app): State<Arc<App>>) -> String {
+    format!(
+        "{{\"metrics_requests\":{}}}\n",
+        app.scrapes.load(Ordering::Relaxed)
+    )
+}
+
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    app.scrapes.fetch_add(1, Ordering::Relaxed);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         app.metrics.clone(),
