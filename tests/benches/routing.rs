@@ -709,8 +709,10 @@ fn report(
          table to the next. Ours: the agent with scrape interval {SCRAPE_INTERVAL_MS} ms, \
          `slots = {SLOTS}`, default spill thresholds, hint ports {}-{} in {} buckets; with \
          hints, a request with a preamble connects from its preamble's hint port \
-         (`balancer_agent::hint::connect`); the preambles' homes (rendezvous over the hint \
-         buckets) put {} of the requests with a preamble on b1, b2, b3, b4.\n\n",
+         (`balancer_agent::hint::connect`). The preambles' homes (rendezvous hashing of their \
+         hint buckets over the four servers: preamble, length, share of all requests, home) \
+         are {}, which puts {} of the requests with a preamble on b1, b2, b3, b4 when every \
+         one goes home.\n\n",
         jobs.len(),
         plan.duration,
         BURST_FACTOR,
@@ -727,6 +729,19 @@ fn report(
         RANGE.start,
         u32::from(RANGE.start) + u32::from(RANGE.span) - 1,
         RANGE.buckets,
+        (0..PREAMBLE_WORDS.len())
+            .map(|k| {
+                let n = jobs.iter().filter(|j| j.preamble == Some(k)).count();
+                format!(
+                    "p{} {} tokens {:.0}% {}",
+                    k + 1,
+                    PREAMBLE_WORDS[k],
+                    n as f64 * 100.0 / jobs.len().max(1) as f64,
+                    homes.get(k).map_or("-".into(), |&h| backend_name(h))
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
         per_home
             .iter()
             .map(|n| n.to_string())
@@ -792,11 +807,12 @@ fn report(
                     fmt(p99_ratio, 2),
                     if p99_met { "met" } else { "MISSED" }
                 ));
+                let precise = |v: Option<f64>| fmt(v.map(|h| h * 100.0), 2) + "%";
                 goal_hits.push(format!(
                     "{} {} vs {} ({})",
                     policy.key(),
-                    percent(ours.hit_rate),
-                    percent(s.hit_rate),
+                    precise(ours.hit_rate),
+                    precise(s.hit_rate),
                     if hits_met { "met" } else { "MISSED" }
                 ));
             }
