@@ -592,6 +592,28 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     Ok(())
 }
 
+/// The server of `n.multi` that the agent's Maglev `table` names for a SYN from the client's
+/// port `sport` to the multi-backend VIP: what user space predicts the kernel will pick.
+fn maglev_pick(n: &Net, sport: u16, table: &[u32], id: &dyn Fn(IpAddr) -> u32) -> Result<IpAddr> {
+    let (src, family) = balancer_common::addr_words(n.client);
+    let key = balancer_common::FlowKey {
+        src,
+        dst: balancer_common::addr_words(n.vip_multi).0,
+        sport: sport.to_be(),
+        dport: 8000u16.to_be(),
+        proto: balancer_common::IPPROTO_TCP,
+        family,
+        _pad: [0; 2],
+    };
+    let predicted =
+        table[(balancer_common::hash::flow_hash(&key) % balancer_common::MAGLEV_SIZE) as usize];
+    n.multi
+        .iter()
+        .copied()
+        .find(|b| id(*b) == predicted)
+        .context("predicted id")
+}
+
 /// The kernel's flow hash and table lookup agree with the agent's: for many flows, the
 /// backend the program picks is the one `flow_hash` and the agent's table name.
 fn kernel_picks_what_user_space_predicts(
@@ -602,34 +624,8 @@ fn kernel_picks_what_user_space_predicts(
 ) -> Result<()> {
     let mut seen = std::collections::BTreeSet::new();
     for sport in 42000..42200u16 {
-        let syn = Frame {
-            smac: MAC_CLIENT,
-            dmac: MAC_G0,
-            vlan: None,
-            src: n.client,
-            dst: n.vip_multi,
-            sport,
-            dport: 8000,
-            ttl: 64,
-            flags: "S",
-        };
-        let (src, family) = balancer_common::addr_words(n.client);
-        let key = balancer_common::FlowKey {
-            src,
-            dst: balancer_common::addr_words(n.vip_multi).0,
-            sport: sport.to_be(),
-            dport: 8000u16.to_be(),
-            proto: balancer_common::IPPROTO_TCP,
-            family,
-            _pad: [0; 2],
-        };
-        let predicted =
-            table[(balancer_common::hash::flow_hash(&key) % balancer_common::MAGLEV_SIZE) as usize];
-        let backend = *n
-            .multi
-            .iter()
-            .find(|b| id(**b) == predicted)
-            .context("predicted id")?;
+        let syn = client_syn(n, n.vip_multi, sport);
+        let backend = maglev_pick(n, sport, table, id)?;
         seen.insert(backend);
         // No neighbour entries here: rewritten and passed, which shows the pick.
         let out = syn.with(|f| f.dst = backend);
@@ -706,23 +702,7 @@ fn hinted_syns_go_home_then_spill(
     send(h, "S", c, Counter::HintWarm, "spill to the last room")?;
     // No room anywhere: the weighted pick, which is what Maglev names for this flow.
     let sport = range.ports(bucket).last().context("bucket ports")?;
-    let (src, family) = balancer_common::addr_words(n.client);
-    let key = balancer_common::FlowKey {
-        src,
-        dst: balancer_common::addr_words(n.vip_multi).0,
-        sport: sport.to_be(),
-        dport: 8000u16.to_be(),
-        proto: balancer_common::IPPROTO_TCP,
-        family,
-        _pad: [0; 2],
-    };
-    let predicted =
-        table[(balancer_common::hash::flow_hash(&key) % balancer_common::MAGLEV_SIZE) as usize];
-    let maglev = *n
-        .multi
-        .iter()
-        .find(|x| id(**x) == predicted)
-        .context("predicted id")?;
+    let maglev = maglev_pick(n, sport, table, id)?;
     let pkt = client_syn(n, n.vip_multi, sport);
     h.expect(
         &format!("{fam} no room anywhere"),
