@@ -391,18 +391,13 @@ impl Controller {
         self.refresh_affinity();
     }
 
-    /// Spill budgets of every server, then the candidates of every hint bucket.
+    /// Spill budgets of every server, which the program's hint spill and Maglev second draw
+    /// both read, then the candidates of every hint bucket.
     fn refresh_affinity(&mut self) {
         let now = Instant::now();
         let hold = self.scrape_interval() * 2;
         let idle = self.scrape_interval() * 30;
         for pool in &self.config.pool {
-            let Some(aff) = self.affinity.get_mut(&pool.name) else {
-                continue;
-            };
-            let Some(&vip_id) = self.vip_ids.get(&pool.name) else {
-                continue;
-            };
             let mut members = Vec::new();
             let mut loads = Vec::new();
             let mut names = HashMap::new();
@@ -456,6 +451,12 @@ impl Controller {
                     why,
                 });
             }
+            let (Some(aff), Some(&vip_id)) = (
+                self.affinity.get_mut(&pool.name),
+                self.vip_ids.get(&pool.name),
+            ) else {
+                continue;
+            };
             let stats: Vec<_> = (0..aff.range.buckets)
                 .map(|b| self.dp.bucket_stats(vip_id, b).unwrap_or_default())
                 .collect();

@@ -16,6 +16,19 @@ fn mix(h: u64, w: u32) -> u64 {
 /// hosts (the only BPF target we build, `bpfel`).
 #[inline(always)]
 pub fn flow_hash(k: &FlowKey) -> u32 {
+    hash64(k) as u32
+}
+
+/// The two Maglev slots of a flow: its pick, and the second draw a SYN takes when the pick
+/// has no room. The halves of one 64-bit hash, which fmix64 leaves independent.
+#[inline(always)]
+pub fn maglev_slots(k: &FlowKey, table_size: u32) -> (u32, u32) {
+    let h = hash64(k);
+    ((h as u32) % table_size, ((h >> 32) as u32) % table_size)
+}
+
+#[inline(always)]
+fn hash64(k: &FlowKey) -> u64 {
     let mut h: u64 = 0;
     let mut i = 0;
     while i < 4 {
@@ -31,7 +44,7 @@ pub fn flow_hash(k: &FlowKey) -> u32 {
     h ^= h >> 33;
     h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
     h ^= h >> 33;
-    h as u32
+    h
 }
 
 #[cfg(test)]
@@ -66,6 +79,23 @@ mod tests {
         }
         for b in buckets {
             assert!((900..1100).contains(&b), "{buckets:?}");
+        }
+    }
+
+    #[test]
+    fn second_draw_is_independent_of_the_first() {
+        // For every first slot, the second is spread over all slots: a backend's flows
+        // that need a second draw do not all land on one other backend.
+        let mut pairs = [[0u32; 4]; 4];
+        for p in 0..16_000u16 {
+            let (a, b) = maglev_slots(&key(40000 + p), 4);
+            assert_eq!(a, flow_hash(&key(40000 + p)) % 4);
+            pairs[a as usize][b as usize] += 1;
+        }
+        for row in pairs {
+            for n in row {
+                assert!((850..1150).contains(&n), "{pairs:?}");
+            }
         }
     }
 }

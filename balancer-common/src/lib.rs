@@ -230,10 +230,13 @@ pub enum Counter {
     /// A hinted SYN found its home and alternates all past their thresholds (or no
     /// candidates yet) and took the Maglev pick.
     HintMaglev,
+    /// A new SYN's Maglev pick had no room (no free slot before a request would wait) and
+    /// the flow's second draw had more: it went there.
+    MaglevSecond,
 }
 
 impl Counter {
-    pub const COUNT: u32 = Counter::HintMaglev as u32 + 1;
+    pub const COUNT: u32 = Counter::MaglevSecond as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -263,6 +266,7 @@ impl Counter {
         Counter::HintHome,
         Counter::HintWarm,
         Counter::HintMaglev,
+        Counter::MaglevSecond,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -295,6 +299,7 @@ impl Counter {
             Counter::HintHome => "hint_home",
             Counter::HintWarm => "hint_warm",
             Counter::HintMaglev => "hint_maglev",
+            Counter::MaglevSecond => "maglev_second",
         }
     }
 }

@@ -3,7 +3,7 @@
 //! to the stack untouched.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
-// For `atomic_xadd`: see `affinity::note_open`. The BPF object is always built with nightly.
+// For `atomic_xadd`: see `room::note_open`. The BPF object is always built with nightly.
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
@@ -11,6 +11,7 @@ mod affinity;
 mod maps;
 mod nat;
 mod parse;
+mod room;
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS},
@@ -19,7 +20,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::flow_hash, Backend, Counter, FlowEntry, FlowKey, VipInfo, VipKey, BACKEND_F_PRESENT,
+    hash::maglev_slots, Backend, Counter, FlowEntry, FlowKey, VipInfo, VipKey, BACKEND_F_PRESENT,
     IPPROTO_TCP, MAGLEV_SIZE,
 };
 
@@ -141,11 +142,7 @@ fn new_flow(
     let (id, backend) = match hinted {
         Some(chosen) => chosen,
         None => {
-            let slot = vip.table * MAGLEV_SIZE + flow_hash(&pkt.key) % MAGLEV_SIZE;
-            let id = match MAGLEV.get(slot) {
-                Some(&id) if id != 0 => id as u32,
-                _ => return Err(Counter::DropNoBackend),
-            };
+            let id = maglev(vip, &pkt.key, syn)?;
             (id, present(id).ok_or(Counter::DropBadBackend)?)
         }
     };
@@ -188,8 +185,38 @@ fn new_flow(
         // SAFETY: per-CPU value, no other writer.
         unsafe { (*stats).flows_opened += 1 };
     }
-    affinity::note_open(id);
+    room::note_open(id);
     Ok((id, backend.addr, backend.port))
+}
+
+/// The weighted pick for a flow without a usable hint. A SYN whose first draw has no room
+/// takes the flow's second draw from the same table when that one has more: two choices
+/// keep a burst from piling onto one server between two scrapes, where one weighted draw
+/// cannot see load at all. Anything else keeps the first draw, the one every gateway and
+/// every restart agree on, and so does a SYN while its first draw has room: a flow whose
+/// entry is lost most likely finds its backend again.
+#[inline(always)]
+fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
+    let (first, second) = maglev_slots(key, MAGLEV_SIZE);
+    let base = vip.table * MAGLEV_SIZE;
+    let id = match MAGLEV.get(base + first) {
+        Some(&id) if id != 0 => id as u32,
+        _ => return Err(Counter::DropNoBackend),
+    };
+    if !syn {
+        return Ok(id);
+    }
+    let room = room::room(id);
+    if room > 0 {
+        return Ok(id);
+    }
+    match MAGLEV.get(base + second) {
+        Some(&alt) if alt != 0 && alt as u32 != id && room::room(alt as u32) > room => {
+            count(Counter::MaglevSecond);
+            Ok(alt as u32)
+        }
+        _ => Ok(id),
+    }
 }
 
 /// The backend `id` names, if it is configured.
@@ -247,7 +274,7 @@ fn note_closed(backend_id: u32) {
         // SAFETY: per-CPU value, no other writer.
         unsafe { (*stats).flows_closed += 1 };
     }
-    affinity::note_close(backend_id);
+    room::note_close(backend_id);
 }
 
 #[cfg(target_arch = "bpf")]

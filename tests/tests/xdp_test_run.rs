@@ -343,6 +343,10 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         let mut dp = Dataplane::load(1 << 16)?;
         let plan = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
         dp.apply(&plan)?;
+        // Room everywhere: every SYN keeps its first Maglev draw unless a case says otherwise.
+        for &(id, _) in &plan.backends {
+            dp.set_budget(id, 1_000_000)?;
+        }
         let id = |addr: IpAddr| {
             let (w, _) = balancer_common::addr_words(addr);
             plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
@@ -369,6 +373,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
                 .unwrap()
                 .vip_id;
             hinted_syns_go_home_then_spill(&mut h, n, vip_id, table, &id)?;
+            second_draw_when_the_first_has_no_room(&mut h, n, table, &id)?;
         }
         Ok(())
     });
@@ -592,9 +597,15 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     Ok(())
 }
 
-/// The server of `n.multi` that the agent's Maglev `table` names for a SYN from the client's
-/// port `sport` to the multi-backend VIP: what user space predicts the kernel will pick.
-fn maglev_pick(n: &Net, sport: u16, table: &[u32], id: &dyn Fn(IpAddr) -> u32) -> Result<IpAddr> {
+/// The servers of `n.multi` that the agent's Maglev `table` names for a SYN from the
+/// client's port `sport` to the multi-backend VIP, first and second draw: what user space
+/// predicts the kernel will pick.
+fn maglev_draws(
+    n: &Net,
+    sport: u16,
+    table: &[u32],
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<(IpAddr, IpAddr)> {
     let (src, family) = balancer_common::addr_words(n.client);
     let key = balancer_common::FlowKey {
         src,
@@ -605,13 +616,19 @@ fn maglev_pick(n: &Net, sport: u16, table: &[u32], id: &dyn Fn(IpAddr) -> u32) -
         family,
         _pad: [0; 2],
     };
-    let predicted =
-        table[(balancer_common::hash::flow_hash(&key) % balancer_common::MAGLEV_SIZE) as usize];
-    n.multi
-        .iter()
-        .copied()
-        .find(|b| id(*b) == predicted)
-        .context("predicted id")
+    let (first, second) = balancer_common::hash::maglev_slots(&key, balancer_common::MAGLEV_SIZE);
+    let server = |slot: u32| {
+        n.multi
+            .iter()
+            .copied()
+            .find(|b| id(*b) == table[slot as usize])
+            .context("predicted id")
+    };
+    Ok((server(first)?, server(second)?))
+}
+
+fn maglev_pick(n: &Net, sport: u16, table: &[u32], id: &dyn Fn(IpAddr) -> u32) -> Result<IpAddr> {
+    Ok(maglev_draws(n, sport, table, id)?.0)
 }
 
 /// The kernel's flow hash and table lookup agree with the agent's: for many flows, the
@@ -700,7 +717,9 @@ fn hinted_syns_go_home_then_spill(
     // c has 1 left, b has 1: the first with the most room wins the tie (b comes first).
     send(h, "S", b, Counter::HintWarm, "spill to the next")?;
     send(h, "S", c, Counter::HintWarm, "spill to the last room")?;
-    // No room anywhere: the weighted pick, which is what Maglev names for this flow.
+    // No room anywhere (the fourth server neither): the weighted pick, which is what
+    // Maglev names for this flow, its second draw having no more room than the first.
+    h.dp.set_budget(id(n.multi[3]), 0)?;
     let sport = range.ports(bucket).last().context("bucket ports")?;
     let maglev = maglev_pick(n, sport, table, id)?;
     let pkt = client_syn(n, n.vip_multi, sport);
@@ -740,6 +759,99 @@ fn hinted_syns_go_home_then_spill(
         + h.counter(Counter::HintWarm)
         + h.counter(Counter::HintMaglev);
     ensure!(before == after, "{fam}: port 45000 was treated as a hint");
+    Ok(())
+}
+
+/// A SYN whose first Maglev draw has no room takes its second draw if that one has more;
+/// with room at the first, or as much at the second, or for a mid-stream packet, the first.
+fn second_draw_when_the_first_has_no_room(
+    h: &mut Harness,
+    n: &Net,
+    table: &[u32],
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let mut ports = (46000..47000u16).filter_map(|p| {
+        let (a, b) = maglev_draws(n, p, table, id).ok()?;
+        (a != b).then_some((p, a, b))
+    });
+    let mut next = || ports.next().context("a port whose two draws differ");
+    for &b in &n.multi {
+        h.dp.set_budget(id(b), 1_000_000)?;
+    }
+    // Every case also checks `maglev_second`: it counts exactly the second draws.
+    let case = |h: &mut Harness,
+                flags: &'static str,
+                sport: u16,
+                expect: IpAddr,
+                second: bool,
+                what: &str| {
+        let pkt = client_syn(n, n.vip_multi, sport).with(|f| f.flags = flags);
+        let before = h.counter(Counter::MaglevSecond);
+        let new = if flags == "S" {
+            Counter::FlowNewSyn
+        } else {
+            Counter::FlowNewMidstream
+        };
+        let what = format!("{fam} {what} (port {sport})");
+        h.expect(
+            &what,
+            h.g0,
+            &pkt.bytes(),
+            XDP_PASS,
+            &pkt.with(|f| f.dst = expect).bytes(),
+            new,
+        )?;
+        let after = h.counter(Counter::MaglevSecond);
+        ensure!(
+            after == before + u64::from(second),
+            "{what}: maglev_second {before} -> {after}"
+        );
+        Ok::<_, anyhow::Error>(())
+    };
+    let (p, first, _) = next()?;
+    case(h, "S", p, first, false, "room at the first draw")?;
+    let (p, first, second) = next()?;
+    h.dp.set_budget(id(first), 0)?;
+    case(h, "S", p, second, true, "no room at the first draw")?;
+    let (p, first, second) = next()?;
+    h.dp.set_budget(id(first), 0)?;
+    h.dp.set_budget(id(second), 0)?;
+    case(h, "S", p, first, false, "no more room at the second")?;
+    let (p, first, _) = next()?;
+    h.dp.set_budget(id(first), 0)?;
+    case(h, "A", p, first, false, "mid-stream keeps the first draw")?;
+    // Room for one at the first draw: it takes it; then both at 0, a tie keeps the first;
+    // then the first past its threshold and room at the second: the second.
+    let (p, first, second) = next()?;
+    h.dp.set_budget(id(first), 1)?;
+    h.dp.set_budget(id(second), 0)?;
+    case(h, "S", p, first, false, "last room at the first")?;
+    let same = |from: u16| {
+        (from..from + 2000)
+            .find(|&q| maglev_draws(n, q, table, id).is_ok_and(|d| d == (first, second)))
+            .context("another port with the same two draws")
+    };
+    case(
+        h,
+        "S",
+        same(50000)?,
+        first,
+        false,
+        "as little room at the second",
+    )?;
+    h.dp.set_budget(id(second), 1)?;
+    case(
+        h,
+        "S",
+        same(52000)?,
+        second,
+        true,
+        "more room at the second",
+    )?;
+    for &b in &n.multi {
+        h.dp.set_budget(id(b), 1_000_000)?;
+    }
     Ok(())
 }
 
