@@ -44,6 +44,12 @@ fn score(bucket: u16, m: &Member) -> f64 {
     -f64::from(m.weight) / u.ln()
 }
 
+/// The budget of a server whose load is unknown (no fresh metrics: a plain TCP server, or
+/// one whose scrapes fail): it never counts as past its threshold, so neither a hint spill
+/// nor the program's second draw moves connections off it, and it is balanced by its
+/// weight alone, as the policy does with stale servers.
+pub const UNKNOWN_BUDGET: u32 = u32::MAX;
+
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
 /// since the scrape. Zero when the server is saturated.

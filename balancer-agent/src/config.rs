@@ -3,7 +3,7 @@
 //! the data path can carry out, or an error naming the file, the key and the problem.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     fmt,
     net::IpAddr,
     path::{Path, PathBuf},
@@ -11,7 +11,7 @@ use std::{
 
 use balancer_common::{
     hint::{HintRange, DEFAULT_HINT_BUCKETS},
-    DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_VIPS,
+    DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_REPLY_VIPS, MAX_VIPS,
 };
 use serde::Deserialize;
 
@@ -332,6 +332,7 @@ impl Config {
         }
         let mut names = HashSet::new();
         let mut vips = HashSet::new();
+        let mut in_pools = HashMap::new();
         for (i, p) in self.pool.iter().enumerate() {
             let at = |k: &str| format!("pool[{i}].{k}");
             if p.name.is_empty() || p.name.contains(char::is_whitespace) {
@@ -405,6 +406,18 @@ impl Config {
                     return Err((
                         at("address"),
                         format!("{}:{} is listed twice in this pool", s.address, s.port),
+                    ));
+                }
+                let pools = in_pools.entry((s.address, s.port)).or_insert(0);
+                *pools += 1;
+                if *pools > MAX_REPLY_VIPS {
+                    return Err((
+                        at("address"),
+                        format!(
+                            "{}:{} is in more than {MAX_REPLY_VIPS} pools; the program tells \
+                             whose replies are whose from at most that many VIPs",
+                            s.address, s.port
+                        ),
                     ));
                 }
             }
@@ -509,6 +522,27 @@ metrics_port = 8001
     }
 
     /// Each bad value must name the file and the key, and say what is wrong.
+    #[test]
+    fn a_server_serves_at_most_four_pools() {
+        let pools = |n: usize| {
+            let mut text = String::from("[agent]\ninterfaces = [\"eth0\"]\n");
+            for i in 0..n {
+                text += &format!(
+                    "[[pool]]\nname = \"p{i}\"\nvip = \"192.0.2.{}\"\nport = 8000\n\
+                     [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n",
+                    60 + i
+                );
+            }
+            parse(&text)
+        };
+        assert!(pools(MAX_REPLY_VIPS).is_ok());
+        let err = pools(MAX_REPLY_VIPS + 1).unwrap_err();
+        assert!(
+            err.contains("pool[4].server[0].address") && err.contains("more than 4 pools"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn bad_values_name_file_key_and_problem() {
         let cases: &[(&str, &str, &str)] = &[

@@ -397,6 +397,7 @@ impl Controller {
         let now = Instant::now();
         let hold = self.scrape_interval() * 2;
         let idle = self.scrape_interval() * 30;
+        let stale_after = self.scrape_interval() * STALE_INTERVALS;
         for pool in &self.config.pool {
             let mut members = Vec::new();
             let mut loads = Vec::new();
@@ -426,8 +427,13 @@ impl Controller {
                 let opened = s.now.flows_opened.saturating_sub(s.at_scrape.flows_opened);
                 let closed = s.now.flows_closed.saturating_sub(s.at_scrape.flows_closed);
                 let fresh = opened.saturating_sub(closed);
+                let stale = s
+                    .reading_at
+                    .is_none_or(|t| now.duration_since(t) > stale_after);
                 let budget = if held {
                     0
+                } else if stale {
+                    affinity::UNKNOWN_BUDGET
                 } else {
                     affinity::budget(false, slots, running, waiting, fresh, pool.spill_waiting)
                 };

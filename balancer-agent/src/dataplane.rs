@@ -14,8 +14,8 @@ use aya::{
 };
 use balancer_common::{
     hint::{HintRange, MAX_HINT_BUCKETS},
-    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, VipInfo,
-    VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
+    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
+    ReplyKey, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
 };
 use tracing::{info, warn};
 
@@ -85,6 +85,7 @@ pub struct Dataplane {
     counters: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    replies: BpfHashMap<MapData, ReplyKey, Replies>,
     buckets: Array<MapData, Bucket>,
     load: Array<MapData, BackendLoad>,
     opens: Array<MapData, u64>,
@@ -92,6 +93,8 @@ pub struct Dataplane {
     bucket_stats: PerCpuArray<MapData, BucketStats>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
+    /// What `REPLIES` holds now.
+    installed_replies: HashMap<ReplyKey, Replies>,
     links: BTreeMap<String, XdpLinkId>,
 }
 
@@ -118,6 +121,7 @@ impl Dataplane {
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
         let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
+        let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = Array::try_from(take(&mut ebpf, "LOAD")?)?;
         let opens = Array::try_from(take(&mut ebpf, "OPENS")?)?;
@@ -131,12 +135,14 @@ impl Dataplane {
             counters,
             backend_stats,
             flows,
+            replies,
             buckets,
             load,
             opens,
             closes,
             bucket_stats,
             installed: HashMap::new(),
+            installed_replies: HashMap::new(),
             links: BTreeMap::new(),
         })
     }
@@ -158,6 +164,15 @@ impl Dataplane {
             self.backends
                 .set(*id, backend, 0)
                 .with_context(|| format!("writing backend {id}"))?;
+        }
+        // Before any table names a backend, so that its first reply is recognised.
+        for (from, vips) in &plan.replies {
+            if self.installed_replies.get(from) != Some(vips) {
+                self.replies
+                    .insert(from, vips, 0)
+                    .context("writing the VIPs a backend replies for")?;
+                self.installed_replies.insert(*from, *vips);
+            }
         }
         for vip in &plan.vips {
             let installed = self.installed.get(&vip.vip_id).copied();
@@ -222,6 +237,18 @@ impl Dataplane {
             self.backends
                 .set(*id, Backend::default(), 0)
                 .with_context(|| format!("retiring backend {id}"))?;
+        }
+        let stale: Vec<ReplyKey> = self
+            .installed_replies
+            .keys()
+            .filter(|k| !plan.replies.iter().any(|(from, _)| from == *k))
+            .copied()
+            .collect();
+        for from in stale {
+            self.replies
+                .remove(&from)
+                .context("removing a backend's replies")?;
+            self.installed_replies.remove(&from);
         }
         Ok(())
     }
@@ -345,8 +372,8 @@ impl Dataplane {
             .with_context(|| format!("writing the budget of backend {id}"))
     }
 
-    /// Connections still open on each of `ids`: forward entries with no FIN or RST seen and
-    /// not idle past their timeout. Walks the whole flow table, so it is for occasional
+    /// Connections still open on each of `ids`: entries with no FIN or RST seen and not idle
+    /// past their timeout. Walks the whole flow table, so it is for occasional
     /// questions (has a drained server's last stream ended?), not for every tick.
     pub fn live_flows(&self, ids: &HashSet<u32>) -> Result<HashMap<u32, u64>> {
         let now = monotonic_ns();
@@ -355,8 +382,7 @@ impl Dataplane {
             // Entries come and go while we walk; one that vanished under us is not live.
             let Ok((_, e)) = item else { continue };
             let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
-            if e.reverse == 0
-                && e.closed == 0
+            if e.closed == 0
                 && ids.contains(&e.backend_id)
                 && now.saturating_sub(e.last_seen_ns) <= idle
             {
@@ -373,21 +399,13 @@ impl Dataplane {
         let mut doomed = Vec::new();
         for item in self.flows.iter() {
             let Ok((key, e)) = item else { continue };
-            if e.reverse == 0 && e.acked == 0 && e.closed == 0 && e.backend_id == id {
-                let reverse = FlowKey {
-                    src: e.nat_addr,
-                    dst: key.src,
-                    sport: e.nat_port,
-                    dport: key.sport,
-                    ..key
-                };
-                doomed.push((key, reverse));
+            if e.acked == 0 && e.closed == 0 && e.backend_id == id {
+                doomed.push(key);
             }
         }
-        for (forward, reverse) in &doomed {
-            // Either may have been evicted meanwhile; that is the outcome we want anyway.
-            self.flows.remove(forward).ok();
-            self.flows.remove(reverse).ok();
+        for key in &doomed {
+            // It may have been evicted meanwhile; that is the outcome we want anyway.
+            self.flows.remove(key).ok();
         }
         Ok(doomed.len())
     }

@@ -9,8 +9,8 @@ use std::{
 
 use anyhow::{bail, Result};
 use balancer_common::{
-    addr_words, hint::HintRange, Backend, VipKey, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE,
-    MAX_BACKENDS, MAX_VIPS,
+    addr_words, hint::HintRange, Backend, Replies, ReplyKey, VipKey, BACKEND_F_PRESENT,
+    IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
 };
 
 use crate::{
@@ -42,6 +42,9 @@ pub struct Plan {
     pub backends: Vec<(u32, Backend)>,
     /// Ids of servers that left the configuration: no new flow may pick them.
     pub retired: Vec<u32>,
+    /// Every backend address whose replies are ours, with the VIPs it serves: those of its
+    /// pools, then those of pools it left while their flows may still be open.
+    pub replies: Vec<(ReplyKey, Replies)>,
 }
 
 /// Weights decided by the control loop, by pool name and server; a server that is absent
@@ -52,14 +55,18 @@ pub type Weights = HashMap<(String, SocketAddr), u32>;
 /// counters stay apart.
 type ServerKey = (String, IpAddr, u16);
 
+/// A retired id, when it may be reused, and whose replies may still arrive for which VIP.
+type Quarantined = (u32, Instant, Option<(ReplyKey, VipKey)>);
+
 /// Hands out ids that stay the same across reloads, and reuses an id only after every flow
 /// that could still name it has timed out, so that per-backend counters never mix two
 /// servers.
 pub struct Ids {
     backends: HashMap<ServerKey, u32>,
     vips: HashMap<String, u32>,
-    /// Ids no longer configured, and when they may be reused.
-    quarantine: Vec<(u32, Instant)>,
+    /// Ids no longer configured, when they may be reused, and (while its pool's VIP stays)
+    /// the server's address and that VIP: its open flows' replies are still ours.
+    quarantine: Vec<Quarantined>,
     next_backend: u32,
 }
 
@@ -86,7 +93,7 @@ impl Ids {
                 .quarantine
                 .iter()
                 .copied()
-                .filter(|(_, until)| *until > now)
+                .filter(|(_, until, _)| *until > now)
                 .collect(),
             next_backend: self.next_backend,
         };
@@ -99,6 +106,7 @@ impl Ids {
             vips: Vec::new(),
             backends: Vec::new(),
             retired: Vec::new(),
+            replies: Vec::new(),
         };
         for pool in &config.pool {
             let vip_id = match self.vips.get(&pool.name) {
@@ -179,10 +187,14 @@ impl Ids {
         for (key, id) in &self.backends {
             if !next.backends.contains_key(key) {
                 plan.retired.push(*id);
-                next.quarantine.push((*id, now + hold));
+                let (pool, address, port) = key;
+                let vip = plan.vips.iter().find(|v| v.pool == *pool).map(|v| v.key);
+                let from = vip.map(|vip| (reply_key(*address, *port), vip));
+                next.quarantine.push((*id, now + hold, from));
             }
         }
         plan.retired.sort_unstable();
+        plan.replies = replies(&plan.vips, &next.quarantine);
         *self = next;
         Ok(plan)
     }
@@ -200,7 +212,7 @@ impl Ids {
             .values()
             .chain(old.values())
             .copied()
-            .chain(self.quarantine.iter().map(|(id, _)| *id))
+            .chain(self.quarantine.iter().map(|(id, _, _)| *id))
             .collect();
         match (1..MAX_BACKENDS).find(|id| !taken.contains(id)) {
             Some(id) => Ok(id),
@@ -210,6 +222,50 @@ impl Ids {
             ),
         }
     }
+}
+
+fn reply_key(address: IpAddr, port: u16) -> ReplyKey {
+    let (addr, family) = addr_words(address);
+    ReplyKey {
+        addr,
+        port: port.to_be(),
+        family,
+        _pad: 0,
+    }
+}
+
+/// The `REPLIES` map: each backend address with the VIPs of its pools, then the VIPs of
+/// pools it left recently (still configured VIPs only). A server may be in at most
+/// `MAX_REPLY_VIPS` pools (the configuration checks it); past that, recently left pools are
+/// the ones dropped, their last flows' replies then pass to the stack untranslated.
+fn replies(vips: &[VipPlan], quarantine: &[Quarantined]) -> Vec<(ReplyKey, Replies)> {
+    let mut by_addr: Vec<(ReplyKey, Vec<VipKey>)> = Vec::new();
+    let current = vips.iter().flat_map(|v| {
+        v.members
+            .iter()
+            .map(|(a, _)| (reply_key(a.ip(), a.port()), v.key))
+    });
+    let recent = quarantine
+        .iter()
+        .filter_map(|(_, _, from)| *from)
+        .filter(|(_, vip)| vips.iter().any(|v| v.key == *vip));
+    for (from, vip) in current.chain(recent) {
+        match by_addr.iter_mut().find(|(k, _)| *k == from) {
+            Some((_, list)) if !list.contains(&vip) => list.push(vip),
+            Some(_) => {}
+            None => by_addr.push((from, vec![vip])),
+        }
+    }
+    by_addr
+        .into_iter()
+        .map(|(from, list)| {
+            let mut r = Replies::default();
+            for (place, vip) in r.vips.iter_mut().zip(list.into_iter().take(MAX_REPLY_VIPS)) {
+                *place = vip;
+            }
+            (from, r)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -311,6 +367,50 @@ mod tests {
         assert!(c.retired.is_empty());
     }
 
+    fn reply_vips(plan: &Plan, last_octet: u8) -> Vec<VipKey> {
+        plan.replies
+            .iter()
+            .find(|(k, _)| k.addr[0].to_ne_bytes()[3] == last_octet)
+            .map(|(_, r)| r.vips.iter().copied().filter(|v| v.family != 0).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn replies_name_the_vip_while_flows_may_be_open() {
+        let mut ids = Ids::default();
+        let now = Instant::now();
+        let two = config(&[("10.4.0.11", 100), ("10.4.0.12", 0)]);
+        let a = ids.plan(&two, &Weights::new(), now).unwrap();
+        let vip = a.vips[0].key;
+        assert_eq!(reply_vips(&a, 11), vec![vip]);
+        assert_eq!(reply_vips(&a, 12), vec![vip], "weight 0 still has flows");
+        let one = config(&[("10.4.0.11", 100)]);
+        let b = ids.plan(&one, &Weights::new(), now).unwrap();
+        assert_eq!(reply_vips(&b, 12), vec![vip], "removed, flows still open");
+        let hold = Duration::from_secs(600 + 61);
+        let c = ids.plan(&one, &Weights::new(), now + hold).unwrap();
+        assert!(reply_vips(&c, 12).is_empty(), "every flow has timed out");
+        assert_eq!(reply_vips(&c, 11), vec![vip]);
+    }
+
+    #[test]
+    fn a_server_in_two_pools_replies_for_both_vips() {
+        let text = "[agent]\ninterfaces=[\"eth0\"]\n\
+            [[pool]]\nname=\"a\"\nvip=\"192.0.2.60\"\nport=8000\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
+            [[pool]]\nname=\"b\"\nvip=\"192.0.2.61\"\nport=9000\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n";
+        let c = Config::parse(Path::new("t.toml"), text).unwrap();
+        let plan = Ids::default()
+            .plan(&c, &Weights::new(), Instant::now())
+            .unwrap();
+        assert_eq!(plan.replies.len(), 1);
+        assert_eq!(
+            reply_vips(&plan, 11),
+            vec![plan.vips[0].key, plan.vips[1].key]
+        );
+    }
+
     #[test]
     fn exhausted_ids_reuse_only_after_quarantine() {
         let mut ids = Ids {
@@ -321,7 +421,7 @@ mod tests {
         // All ids but 5 are taken by quarantine.
         ids.quarantine = (1..MAX_BACKENDS)
             .filter(|id| *id != 5)
-            .map(|id| (id, now + Duration::from_secs(60)))
+            .map(|id| (id, now + Duration::from_secs(60), None))
             .collect();
         let a = ids
             .plan(&config(&[("10.4.0.11", 100)]), &Weights::new(), now)

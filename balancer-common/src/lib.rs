@@ -26,7 +26,7 @@ pub const MAGLEV_SIZE: u32 = 16381;
 /// Each VIP owns two tables; the agent fills the idle one and then flips
 /// [`VipInfo::table`], so a new flow never sees a half-written table.
 pub const MAGLEV_TABLES: u32 = MAX_VIPS * 2;
-/// Default number of flow-table entries (each connection takes two: forward and reverse).
+/// Default number of flow-table entries, one per connection.
 pub const DEFAULT_FLOW_ENTRIES: u32 = 1 << 18;
 /// Default idle timeout of a flow.
 pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 600;
@@ -128,8 +128,8 @@ pub struct Backend {
 /// flow can refer to them any more, so that established flows keep their backend.
 pub const BACKEND_F_PRESENT: u8 = 1;
 
-/// A flow as seen on the wire: the key of both the forward entry (client -> VIP) and the
-/// reverse entry (backend -> client).
+/// A flow as the client sends it (client -> VIP): the flow table's key. A reply finds it
+/// through [`Replies`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct FlowKey {
@@ -144,30 +144,52 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
-/// Flow-table value. Forward entries rewrite the destination to `nat_addr:nat_port`
-/// (the backend); reverse entries rewrite the source to it (the VIP).
+/// Flow-table value: the client's packets get their destination rewritten to
+/// `nat_addr:nat_port` (the backend), and the backend's replies from there are this flow's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct FlowEntry {
     pub nat_addr: [u32; 4],
     /// Network byte order.
     pub nat_port: u16,
-    /// 1 for a reverse (backend -> client) entry.
-    pub reverse: u8,
     /// Set once a FIN or RST was seen, so the close is counted once and a later SYN on the
     /// same tuple starts a new flow. Written as a whole byte so concurrent writers of
     /// `acked` cannot clobber it.
     pub closed: u8,
-    pub backend_id: u32,
     /// Set once the client sent more than a SYN: until then nothing reached the backend's
     /// application and the flow may safely be steered again.
     pub acked: u8,
-    pub _pad: [u8; 3],
+    pub backend_id: u32,
     pub idle_timeout_s: u32,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet, refreshed at most once per
-    /// second to keep the shared cache line quiet.
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet in either direction,
+    /// refreshed at most once per second to keep the shared cache line quiet.
     pub last_seen_ns: u64,
     pub created_ns: u64,
+}
+
+/// A backend as its replies name it: source address and port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ReplyKey {
+    pub addr: [u32; 4],
+    /// Network byte order.
+    pub port: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// How many pools one backend address may serve at once.
+pub const MAX_REPLY_VIPS: usize = 4;
+
+/// The VIPs a backend serves: a reply from it to `client:port` belongs to the flow
+/// `client:port -> VIP` of one of them, whose entry names this backend. So one flow-table
+/// entry serves both directions, and a packet from anywhere else never touches the flow
+/// table. Unused places have `family == 0`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Replies {
+    pub vips: [VipKey; MAX_REPLY_VIPS],
 }
 
 /// Per-backend counters, per CPU; the agent sums them across CPUs.
@@ -313,6 +335,8 @@ mod pod {
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}
+    unsafe impl aya::Pod for super::ReplyKey {}
+    unsafe impl aya::Pod for super::Replies {}
     unsafe impl aya::Pod for super::BackendStats {}
     unsafe impl aya::Pod for super::Bucket {}
     unsafe impl aya::Pod for super::BackendLoad {}
@@ -334,6 +358,8 @@ mod tests {
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 48);
+        assert_eq!(size_of::<ReplyKey>(), 20);
+        assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);
     }
 

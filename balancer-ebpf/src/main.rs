@@ -20,11 +20,11 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::maglev_slots, Backend, Counter, FlowEntry, FlowKey, VipInfo, VipKey, BACKEND_F_PRESENT,
-    IPPROTO_TCP, MAGLEV_SIZE,
+    hash::maglev_slots, Backend, Counter, FlowEntry, FlowKey, ReplyKey, VipInfo, VipKey,
+    BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
 };
 
-use maps::{count, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, VIPS};
+use maps::{count, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -54,15 +54,47 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
         let vip = unsafe { *vip };
         return forward(ctx, pkt, &vip);
     }
-    if let Some(rev) = FLOWS.get_ptr_mut(pkt.key) {
-        // SAFETY: as above; concurrent writers only store whole fields.
-        let rev = unsafe { &mut *rev };
-        if rev.reverse != 0 {
-            return reply(ctx, pkt, rev);
+    let from = ReplyKey {
+        addr: pkt.key.src,
+        port: pkt.key.sport,
+        family: pkt.key.family,
+        _pad: 0,
+    };
+    if let Some(replies) = REPLIES.get_ptr(from) {
+        let mut i = 0;
+        while i < MAX_REPLY_VIPS {
+            // SAFETY: as above; the agent replaces values whole.
+            let vip = unsafe { (*replies).vips[i] };
+            if vip.family == 0 {
+                break;
+            }
+            let flow = FlowKey {
+                src: pkt.key.dst,
+                dst: vip.addr,
+                sport: pkt.key.dport,
+                dport: vip.port,
+                proto: pkt.key.proto,
+                family: pkt.key.family,
+                _pad: [0; 2],
+            };
+            if let Some(entry) = FLOWS.get_ptr_mut(flow) {
+                // SAFETY: valid for this run; fields are written whole.
+                let entry = unsafe { &mut *entry };
+                if entry.nat_port == pkt.key.sport && same_addr(&entry.nat_addr, &pkt.key.src) {
+                    return reply(ctx, pkt, &vip, entry);
+                }
+            }
+            i += 1;
         }
     }
     count(Counter::PassNotOurs);
     XDP_PASS
+}
+
+/// Word by word: a slice comparison would call `memcmp`, which BPF does not have.
+#[inline(always)]
+fn same_addr(a: &[u32; 4], b: &[u32; 4]) -> bool {
+    a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3]
 }
 
 /// Client -> VIP: follow the flow's entry, or pick a backend for a new flow.
@@ -84,7 +116,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             count(Counter::FlowExpired);
         } else if syn && entry.closed != 0 {
             count(Counter::FlowReopened);
-        } else if entry.reverse == 0 {
+        } else {
             if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
                 entry.last_seen_ns = now;
             }
@@ -146,34 +178,18 @@ fn new_flow(
             (id, present(id).ok_or(Counter::DropBadBackend)?)
         }
     };
-    let fwd = FlowEntry {
+    let entry = FlowEntry {
         nat_addr: backend.addr,
         nat_port: backend.port,
-        reverse: 0,
         closed: 0,
-        backend_id: id,
         acked: u8::from(!syn),
-        _pad: [0; 3],
+        backend_id: id,
         idle_timeout_s: vip.idle_timeout_s,
+        _pad: 0,
         last_seen_ns: now,
         created_ns: now,
     };
-    let rev_key = FlowKey {
-        src: backend.addr,
-        dst: pkt.key.src,
-        sport: backend.port,
-        dport: pkt.key.sport,
-        proto: pkt.key.proto,
-        family: pkt.key.family,
-        _pad: [0; 2],
-    };
-    let rev = FlowEntry {
-        nat_addr: pkt.key.dst,
-        nat_port: pkt.key.dport,
-        reverse: 1,
-        ..fwd
-    };
-    if FLOWS.insert(pkt.key, fwd, 0).is_err() || FLOWS.insert(rev_key, rev, 0).is_err() {
+    if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
     count(if syn {
@@ -228,44 +244,28 @@ fn present(id: u32) -> Option<Backend> {
     }
 }
 
-/// Backend -> client: make the reply come from the VIP.
+/// Backend -> client, a reply of the flow `entry`: make it come from the VIP.
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, rev: &mut FlowEntry) -> u32 {
+fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) -> u32 {
     if pkt.ttl <= 1 {
         count(Counter::PassTtlExceeded);
         return XDP_PASS;
     }
     let now = unsafe { bpf_ktime_get_ns() };
-    if now.wrapping_sub(rev.last_seen_ns) > NS_PER_S {
-        rev.last_seen_ns = now;
+    // A stream the server sends and the client only acknowledges is alive from both ends.
+    if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
+        entry.last_seen_ns = now;
     }
-    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        // The close is counted once per flow, on the forward entry.
-        let fwd_key = FlowKey {
-            src: pkt.key.dst,
-            dst: rev.nat_addr,
-            sport: pkt.key.dport,
-            dport: rev.nat_port,
-            proto: pkt.key.proto,
-            family: pkt.key.family,
-            _pad: [0; 2],
-        };
-        if let Some(fwd) = FLOWS.get_ptr_mut(fwd_key) {
-            // SAFETY: valid for this run; fields are written whole.
-            let fwd = unsafe { &mut *fwd };
-            if fwd.closed == 0 {
-                fwd.closed = 1;
-                note_closed(fwd.backend_id);
-            }
-        }
+    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
+        entry.closed = 1;
+        note_closed(entry.backend_id);
     }
     count(Counter::Return);
-    let (addr, port) = (rev.nat_addr, rev.nat_port);
-    if nat::rewrite_src(ctx, pkt, &addr, port).is_err() {
+    if nat::rewrite_src(ctx, pkt, &vip.addr, vip.port).is_err() {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, &addr, &pkt.key.dst, (port, pkt.key.dport))
+    nat::send(ctx, pkt, &vip.addr, &pkt.key.dst, (vip.port, pkt.key.dport))
 }
 
 #[inline(always)]

@@ -7,8 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use balancer_common::{
-    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, VipInfo,
-    VipKey, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
+    ReplyKey, VipInfo, VipKey, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE, MAGLEV_TABLES,
+    MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -27,12 +28,19 @@ pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 pub static MAGLEV: Array<u64> =
     Array::with_max_entries(MAGLEV_TABLES * MAGLEV_SIZE, BPF_F_MMAPABLE);
 
-/// Connection tracking, both directions: client->VIP entries name the backend, backend->client
-/// entries name the VIP. One LRU shared by all CPUs, since the two directions of a flow may
-/// be processed on different CPUs (and NICs). The agent sizes it at load time.
+/// Connection tracking: one entry per connection, keyed as the client sends (client -> VIP),
+/// naming the backend; replies find it through `REPLIES`. One LRU shared by all CPUs, since
+/// the two directions of a flow may be processed on different CPUs (and NICs). The agent
+/// sizes it at load time.
 #[map]
 pub static FLOWS: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_ENTRIES, 0);
+
+/// Backend (address, port) -> the VIPs it serves. A packet from a backend is a reply of ours
+/// if the flow `its destination -> one of these VIPs` names that backend; a packet from
+/// anywhere else is not ours without a look at the flow table.
+#[map]
+pub static REPLIES: HashMap<ReplyKey, Replies> = HashMap::with_max_entries(MAX_BACKENDS, 0);
 
 /// One counter per verdict and per pass or drop reason (`Counter`), per CPU.
 #[map]

@@ -1,7 +1,7 @@
 //! Issue 2, item 3: new connections through a VIP spread over four backends by weight; a
 //! backend whose weight is set to 0 gets no new connection while a stream already on it runs
-//! to its end; the same for an IPv6 VIP; and nothing remains afterwards, also when a test
-//! fails.
+//! to its end, and so does a stream on a backend the reload removes from the pool; the same
+//! for an IPv6 VIP; and nothing remains afterwards, also when a test fails.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -25,6 +25,8 @@ const WEIGHTS: [u32; BACKENDS] = [100, 100, 200, 100];
 const TOLERANCE: f64 = 0.10;
 /// The backend whose weight goes to 0: b2.
 const DRAINED: usize = 1;
+/// The backend the reload removes from the pools: b4.
+const REMOVED: usize = 3;
 /// Source ports, fixed so that a run is reproducible (the balancer hashes the 5-tuple), and
 /// above 16384-32767, which carries affinity hints.
 ///
@@ -34,7 +36,8 @@ const DRAINED: usize = 1;
 /// IPv6 VIP are such a window (b4 gets 341). 8,000 connections make it 4.5 sigma, which a
 /// correct balancer passes for any hash, in about 3 s.
 const SPREAD_PORTS: Range<u16> = 40000..48000;
-const STREAM_PORTS: Range<u16> = 48000..48064;
+const STREAM_PORTS: Range<u16> = 48000..48050;
+const ORPHAN_PORTS: Range<u16> = 48050..48100;
 const AFTER_RELOAD_PORTS: Range<u16> = 48100..48500;
 const STREAM_EVENTS: u32 = 30;
 const STREAM_INTERVAL_MS: u64 = 1000;
@@ -109,12 +112,22 @@ fn scenario(topology: &Topology, agent: &Path, family: Family) -> Result<()> {
     check_shares(&counts)?;
 
     let drained = backend_name(DRAINED);
-    let stream = topology.client().enter(|| open_stream_on(vip, &drained))?;
-    // Scoped, so that the reader is joined on every path out of here, errors included.
+    let removed = backend_name(REMOVED);
+    let stream = topology
+        .client()
+        .enter(|| open_stream_on(vip, STREAM_PORTS, &drained))?;
+    let orphan = topology
+        .client()
+        .enter(|| open_stream_on(vip, ORPHAN_PORTS, &removed))?;
+    // Scoped, so that the readers are joined on every path out of here, errors included.
     std::thread::scope(|scope| {
         let reader = scope.spawn(|| stream.finish());
+        let orphan_reader = scope.spawn(|| orphan.finish());
 
         config.set_weight(DRAINED, 0);
+        for pool in &mut config.pools {
+            pool.servers.remove(REMOVED);
+        }
         agent.reload(&config)?;
         let reloaded = Instant::now();
         let counts = topology
@@ -125,33 +138,38 @@ fn scenario(topology: &Topology, agent: &Path, family: Family) -> Result<()> {
             AFTER_RELOAD_PORTS.len()
         );
         ensure!(
-            !counts.contains_key(&drained),
-            "{drained} took new connections after its weight went to 0: {counts:?}"
+            !counts.contains_key(&drained) && !counts.contains_key(&removed),
+            "{drained} (weight 0) or {removed} (removed) took new connections: {counts:?}"
         );
 
-        let log = reader
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            .context("the stream on the drained backend")?;
-        let seqs = log.seqs();
-        println!(
-            "{family:?}: stream on {drained} received {seqs:?}, done: {}",
-            log.done
-        );
-        ensure!(
-            seqs == (0..STREAM_EVENTS).collect::<Vec<_>>() && log.done,
-            "the stream on {drained} did not run to its end: {seqs:?}, [DONE]: {}",
-            log.done
-        );
-        ensure!(
-            log.events.iter().all(|e| e.backend == drained),
-            "the stream moved: {:?}",
-            log.events
-        );
-        ensure!(
-            log.events.last().is_some_and(|e| e.at > reloaded),
-            "the stream ended before the reload, so it proves nothing"
-        );
+        for (reader, backend, what) in [
+            (reader, &drained, "weight 0"),
+            (orphan_reader, &removed, "removed from the pool"),
+        ] {
+            let log = reader
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                .with_context(|| format!("the stream on {backend} ({what})"))?;
+            let seqs = log.seqs();
+            println!(
+                "{family:?}: stream on {backend} ({what}) received {seqs:?}, done: {}",
+                log.done
+            );
+            ensure!(
+                seqs == (0..STREAM_EVENTS).collect::<Vec<_>>() && log.done,
+                "the stream on {backend} ({what}) did not run to its end: {seqs:?}, [DONE]: {}",
+                log.done
+            );
+            ensure!(
+                log.events.iter().all(|e| e.backend == *backend),
+                "the stream moved: {:?}",
+                log.events
+            );
+            ensure!(
+                log.events.last().is_some_and(|e| e.at > reloaded),
+                "the stream on {backend} ended before the reload, so it proves nothing"
+            );
+        }
         Ok(())
     })?;
 
@@ -165,8 +183,8 @@ fn scenario(topology: &Topology, agent: &Path, family: Family) -> Result<()> {
 }
 
 /// Opens streams from successive ports until one lands on `backend`; closes the others.
-fn open_stream_on(vip: SocketAddr, backend: &str) -> Result<SseStream> {
-    for port in STREAM_PORTS {
+fn open_stream_on(vip: SocketAddr, ports: Range<u16>, backend: &str) -> Result<SseStream> {
+    for port in ports.clone() {
         let mut stream = SseStream::open(vip, port, STREAM_EVENTS, STREAM_INTERVAL_MS)
             .with_context(|| format!("opening a stream from port {port}"))?;
         let first = stream
@@ -176,7 +194,7 @@ fn open_stream_on(vip: SocketAddr, backend: &str) -> Result<SseStream> {
             return Ok(stream);
         }
     }
-    bail!("no stream from ports {STREAM_PORTS:?} landed on {backend}")
+    bail!("no stream from ports {ports:?} landed on {backend}")
 }
 
 fn check_shares(counts: &BTreeMap<String, usize>) -> Result<()> {

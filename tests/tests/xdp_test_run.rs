@@ -455,6 +455,28 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         Counter::Redirect,
     )?;
 
+    // From the backend, but not a reply of a flow of ours: untouched.
+    for (what, stray) in [
+        (
+            "to a client port without a flow",
+            reply.with(|f| f.dport = 49999),
+        ),
+        (
+            "from another port of the backend",
+            reply.with(|f| f.sport = 8001),
+        ),
+    ] {
+        let bytes = stray.bytes();
+        h.expect(
+            &format!("{fam} backend packet {what}"),
+            g1,
+            &bytes,
+            XDP_PASS,
+            &bytes,
+            Counter::PassNotOurs,
+        )?;
+    }
+
     // A FIN from each side closes the flow once.
     let fin = syn.with(|f| f.flags = "FA");
     h.expect(
@@ -656,6 +678,27 @@ fn kernel_picks_what_user_space_predicts(
         )?;
     }
     ensure!(seen.len() == 4, "200 flows reached only {seen:?}");
+    // Another backend of the same VIP answering one of those flows: not the flow's backend,
+    // so not a reply of ours.
+    let picked = maglev_pick(n, 42000, table, id)?;
+    let other = *n.multi.iter().find(|b| **b != picked).context("another")?;
+    let stray = client_syn(n, n.vip_multi, 42000)
+        .with(|f| {
+            f.src = other;
+            f.dst = n.client;
+            f.sport = 8000;
+            f.dport = 42000;
+            f.flags = "SA";
+        })
+        .bytes();
+    h.expect(
+        "reply from a backend the flow does not name",
+        h.g1,
+        &stray,
+        XDP_PASS,
+        &stray,
+        Counter::PassNotOurs,
+    )?;
     Ok(())
 }
 
