@@ -35,6 +35,9 @@
 //!   (Its label reading is naive, e.g. a '}' inside a label value makes the line unreadable:
 //!   such an exposition is refused, never half read. Labels are not needed here anyway: every
 //!   label set of a metric counts.)
+//!
+//! Its regexes cost more than the rest of a scrape, so only the lines of the metrics read go
+//! through it; the others need only be sample lines by the text format (see [`scan`]).
 
 use std::{collections::HashMap, fmt, str::FromStr};
 
@@ -175,6 +178,39 @@ const SPECS: [Spec; 6] = [
     },
 ];
 
+impl Spec {
+    /// Whether a sample of this name shows the server speaks this dialect.
+    fn marked_by(&self, name: &str) -> bool {
+        match self.prefix {
+            Some(p) => name.starts_with(p),
+            None => name == self.running || name == self.waiting,
+        }
+    }
+
+    /// Whether [`read`] looks at samples of this name.
+    fn reads(&self, name: &str) -> bool {
+        name == self.running
+            || name == self.waiting
+            || self.kv.contains(&name)
+            || self.ttft.is_some_and(|family| {
+                name.strip_prefix(family)
+                    .is_some_and(|s| matches!(s, "_sum" | "_count" | "_bucket"))
+            })
+    }
+
+    /// Whether a `# TYPE` line of this name changes how read samples are grouped:
+    /// prometheus-parse keys a type by the name, and a histogram's by `name_bucket`.
+    fn typed_by(&self, name: &str) -> bool {
+        self.reads(name) || self.ttft == Some(name)
+    }
+
+    /// The TTFT family, if this is its `_bucket` name.
+    fn ttft_bucket(&self, name: &str) -> Option<&'static str> {
+        let family = self.ttft?;
+        (name.strip_prefix(family)? == "_bucket").then_some(family)
+    }
+}
+
 impl Dialect {
     pub const ALL: [Dialect; 6] = [
         Dialect::Vllm,
@@ -241,12 +277,26 @@ fn expected_names() -> String {
 
 /// Parses a Prometheus text exposition. `forced` skips detection.
 pub fn parse(body: &str, forced: Option<Dialect>) -> Result<Reading, DialectError> {
-    let samples = samples(body)?;
+    parse_lines(body, forced, true)
+}
+
+/// [`parse`]; `only_read: false` hands every line to prometheus-parse, the reference the
+/// filter is tested against.
+fn parse_lines(
+    body: &str,
+    forced: Option<Dialect>,
+    only_read: bool,
+) -> Result<Reading, DialectError> {
+    let specs = match forced {
+        Some(d) => std::slice::from_ref(d.spec()),
+        None => &SPECS[..],
+    };
+    let exposition = scan(body, specs, only_read)?;
     let dialect = match forced {
         Some(d) => d,
-        None => detect(&samples)?,
+        None => detect(specs, &exposition.marks)?,
     };
-    read(dialect.spec(), &samples)
+    read(dialect.spec(), &exposition.samples)
 }
 
 /// Mean TTFT in ms over the observations between two readings; None when nothing was
@@ -270,7 +320,30 @@ const COLON: char = 'ː'; // U+02D0 MODIFIER LETTER TRIANGULAR COLON
 /// Every sample of the exposition, by metric name (colons restored).
 type Samples = HashMap<String, Vec<prometheus_parse::Sample>>;
 
-fn samples(body: &str) -> Result<Samples, DialectError> {
+struct Exposition {
+    /// The samples of the metrics some spec reads (all of them, unfiltered).
+    samples: Samples,
+    /// Per spec: whether some sample's name marks its dialect.
+    marks: Vec<bool>,
+}
+
+/// A line for prometheus-parse.
+struct Kept<'a> {
+    /// 1-based, for messages.
+    number: usize,
+    line: &'a str,
+    sample: bool,
+    /// The TTFT family, for a line of its buckets.
+    bucket_of: Option<&'static str>,
+}
+
+/// Checks every line, and reads those of the metrics the `specs` read.
+///
+/// A sample line of another metric only has to be a sample line by the text format (a name,
+/// a label set whose quoted values may hold anything, a number): that still refuses HTML, JSON
+/// and a body cut short, but a line prometheus-parse could not read (a '}' in a label value,
+/// e.g. an HTTP route template) in a metric nobody reads does not take the server out.
+fn scan(body: &str, specs: &[Spec], only_read: bool) -> Result<Exposition, DialectError> {
     let text = body.trim_start_matches('\u{feff}');
     if text.trim().is_empty() {
         return Err(DialectError::Empty);
@@ -278,17 +351,112 @@ fn samples(body: &str) -> Result<Samples, DialectError> {
     if text.trim_start().starts_with(['{', '[']) {
         return Err(DialectError::Json);
     }
-    let mut lines = Vec::new();
+    let mut marks = vec![false; specs.len()];
+    let mut kept: Vec<Kept> = Vec::new();
+    let mut unread_samples = false;
+    // A histogram or summary TYPE line was kept.
+    let mut grouped = false;
     for (i, line) in text.lines().enumerate() {
-        let line = protect_colons(line);
-        check_line(&line).map_err(|reason| DialectError::Syntax {
-            line: i + 1,
-            reason,
-            excerpt: excerpt(&line.replace(COLON, ":")),
-        })?;
-        lines.push(Ok(line));
+        let t = line.trim();
+        if t.is_empty() {
+            continue;
+        }
+        let sample = (!t.starts_with('#')).then(|| split_name(t));
+        let (keep, bucket_of) = match sample {
+            Some((name, _)) => classify(specs, &mut marks, name),
+            // HELP and other comments change nothing prometheus-parse gives, and nor, as far
+            // as `read` can tell, does a counter, gauge or untyped TYPE line, unless it undoes
+            // a histogram or summary one.
+            None => match type_line(t) {
+                Some((name, kind)) if specs.iter().any(|s| s.typed_by(name)) => {
+                    let scalar = matches!(kind, "counter" | "gauge" | "untyped");
+                    grouped |= !scalar;
+                    (grouped, None)
+                }
+                _ => (false, None),
+            },
+        };
+        let (keep, bucket_of) = if only_read {
+            (keep, bucket_of)
+        } else {
+            (true, None)
+        };
+        // TTFT buckets are most of the lines kept, yet only read when `_count` is missing
+        // (see ttft_totals): checked as unread ones, read (and checked) only then.
+        if let Some((name, rest)) = sample.filter(|_| !keep || bucket_of.is_some()) {
+            if let Err(reason) = check_unread(name, rest) {
+                // An earlier line may be bad too: the first one is the one to name.
+                let earlier = kept.iter().filter(|k| k.bucket_of.is_none());
+                return Err(first_bad(earlier).unwrap_or_else(|| syntax(i + 1, line, reason)));
+            }
+            unread_samples |= !keep;
+        }
+        if keep {
+            kept.push(Kept {
+                number: i + 1,
+                line,
+                sample: sample.is_some(),
+                bucket_of,
+            });
+        }
     }
-    let scrape = Scrape::parse(lines.into_iter()).map_err(|_| DialectError::NoSamples)?;
+    let mut samples = read_lines(kept.iter().filter(|k| k.bucket_of.is_none()))?;
+    let count_missing = specs.iter().filter_map(|s| s.ttft).any(|f| {
+        kept.iter().any(|k| k.bucket_of == Some(f))
+            && scalars(&samples, &format!("{f}_count")).is_empty()
+    });
+    if count_missing {
+        samples = read_lines(kept.iter())?;
+    }
+    if samples.is_empty() && !unread_samples {
+        return Err(DialectError::NoSamples);
+    }
+    Ok(Exposition { samples, marks })
+}
+
+/// Marks the dialects a sample name shows; whether some spec reads it, and the TTFT family
+/// if it is one's bucket.
+fn classify(specs: &[Spec], marks: &mut [bool], name: &str) -> (bool, Option<&'static str>) {
+    let (mut reads, mut bucket_of) = (false, None);
+    for (mark, spec) in marks.iter_mut().zip(specs) {
+        if spec.marked_by(name) {
+            *mark = true;
+        } else if spec.prefix.is_some() {
+            // It reads only names with its prefix (see spec_names_have_their_prefix).
+            continue;
+        }
+        if spec.reads(name) {
+            reads = true;
+            bucket_of = bucket_of.or(spec.ttft_bucket(name));
+        }
+    }
+    (reads, bucket_of)
+}
+
+/// What prometheus-parse reads of these lines, refusing the lines it would skip.
+fn read_lines<'a>(
+    lines: impl Iterator<Item = &'a Kept<'a>> + Clone,
+) -> Result<Samples, DialectError> {
+    let scrape = Scrape::parse(lines.clone().map(|k| Ok(protect_colons(k.line))))
+        .map_err(|_| DialectError::NoSamples)?;
+    // Each sample line it reads is one value (or one bucket or quantile of one), so fewer
+    // values than lines means it skipped some: only then is each line checked (the check
+    // runs its regexes again), to find the first culprit.
+    let values: usize = scrape
+        .samples
+        .iter()
+        .map(|s| match &s.value {
+            Value::Histogram(b) => b.len(),
+            Value::Summary(q) => q.len(),
+            _ => 1,
+        })
+        .sum();
+    if values < lines.clone().filter(|k| k.sample).count() {
+        if let Some(e) = first_bad(lines) {
+            return Err(e);
+        }
+        // Else it dropped a bucket without `le` or the like, as it always has.
+    }
     let mut by_name = Samples::new();
     for s in scrape.samples {
         by_name
@@ -296,10 +464,24 @@ fn samples(body: &str) -> Result<Samples, DialectError> {
             .or_default()
             .push(s);
     }
-    if by_name.is_empty() {
-        return Err(DialectError::NoSamples);
-    }
     Ok(by_name)
+}
+
+/// The first of these lines prometheus-parse would not read as it is meant.
+fn first_bad<'a>(mut lines: impl Iterator<Item = &'a Kept<'a>>) -> Option<DialectError> {
+    lines.find_map(|k| {
+        check_line(&protect_colons(k.line))
+            .err()
+            .map(|reason| syntax(k.number, k.line, reason))
+    })
+}
+
+fn syntax(number: usize, line: &str, reason: &'static str) -> DialectError {
+    DialectError::Syntax {
+        line: number,
+        reason,
+        excerpt: excerpt(line),
+    }
 }
 
 /// A line prometheus-parse will read as it is meant: blank, a comment, or a sample whose
@@ -310,56 +492,115 @@ fn check_line(line: &str) -> Result<(), &'static str> {
         return Ok(());
     }
     match LineInfo::parse(t) {
-        LineInfo::Sample { value, .. } => {
-            // prometheus-parse's own reading of a value ("NaN" in any case, else Rust's f64).
-            if value.eq_ignore_ascii_case("nan") || value.parse::<f64>().is_ok() {
-                Ok(())
-            } else {
-                Err("the value is not a number")
-            }
-        }
+        LineInfo::Sample { value, .. } if is_number(value) => Ok(()),
+        LineInfo::Sample { .. } => Err("the value is not a number"),
         _ => Err("not a sample"),
     }
+}
+
+/// prometheus-parse's own reading of a value: "NaN" in any case, else Rust's f64.
+fn is_number(value: &str) -> bool {
+    value.eq_ignore_ascii_case("nan") || value.parse::<f64>().is_ok()
+}
+
+/// A sample line by the text format: a name, maybe a label set, a number (then anything, as
+/// prometheus-parse allows). The reasons are those of [`check_line`].
+fn check_unread(name: &str, mut rest: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        return Err("not a sample");
+    }
+    if let Some(labels) = rest.strip_prefix('{') {
+        rest = after_labels(labels).ok_or("not a sample")?;
+    }
+    if !rest.starts_with(char::is_whitespace) {
+        return Err("not a sample");
+    }
+    match rest.split_whitespace().next() {
+        Some(value) if is_number(value) => Ok(()),
+        Some(_) => Err("the value is not a number"),
+        None => Err("not a sample"),
+    }
+}
+
+/// What follows the '}' closing a label set (`s` starts after its '{'), quotes and escapes
+/// minded; None if it is never closed.
+fn after_labels(s: &str) -> Option<&str> {
+    // Without escapes, a '}' is outside quotes after an even number of them: the common case.
+    let first = s.find('}')?;
+    let inside = &s[..first];
+    if !inside.contains('\\') && inside.bytes().filter(|&b| b == b'"').count() % 2 == 0 {
+        return Some(&s[first + 1..]);
+    }
+    let (mut quoted, mut escaped) = (false, false);
+    for (i, b) in s.bytes().enumerate() {
+        match b {
+            _ if escaped => escaped = false,
+            b'\\' if quoted => escaped = true,
+            b'"' => quoted = !quoted,
+            b'}' if !quoted => return Some(&s[i + 1..]),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The metric name and type of a `# TYPE` line (loosely: keeping one too many is harmless).
+fn type_line(t: &str) -> Option<(&str, &str)> {
+    let rest = t.strip_prefix('#')?.trim_start().strip_prefix("TYPE")?;
+    let (name, rest) = split_name(rest.trim_start());
+    Some((name, split_name(rest.trim_start()).0))
 }
 
 /// Replaces ':' in the metric name of a sample line or of a `# HELP`/`# TYPE` line, and drops
 /// an empty label set (`name{} 1`), which prometheus-parse does not read either.
 fn protect_colons(line: &str) -> String {
-    let (head, rest) = split_indent(line);
-    if let Some(after_hash) = rest.strip_prefix('#') {
+    let rest = line.trim_start();
+    let name_at = match rest.strip_prefix('#') {
         // "#", spaces, keyword, spaces, name, rest.
-        let (sp1, after_sp1) = split_indent(after_hash);
-        let kw_len = after_sp1
-            .find(char::is_whitespace)
-            .unwrap_or(after_sp1.len());
-        let (kw, after_kw) = after_sp1.split_at(kw_len);
-        if kw != "HELP" && kw != "TYPE" {
-            return line.to_string();
+        Some(after_hash) => {
+            let after_sp1 = after_hash.trim_start();
+            let kw_len = after_sp1
+                .find(char::is_whitespace)
+                .unwrap_or(after_sp1.len());
+            let (kw, after_kw) = after_sp1.split_at(kw_len);
+            if kw != "HELP" && kw != "TYPE" {
+                return line.to_string();
+            }
+            line.len() - after_kw.trim_start().len()
         }
-        let (sp2, after_sp2) = split_indent(after_kw);
-        let (name, tail) = split_name(after_sp2);
-        return format!(
-            "{head}#{sp1}{kw}{sp2}{}{tail}",
-            name.replace(':', COLON.encode_utf8(&mut [0; 4]))
-        );
+        None => line.len() - rest.len(),
+    };
+    let (name, mut tail) = split_name(&line[name_at..]);
+    if !rest.starts_with('#') {
+        tail = tail.strip_prefix("{}").unwrap_or(tail);
     }
-    let (name, tail) = split_name(rest);
-    let tail = tail.strip_prefix("{}").unwrap_or(tail);
-    format!(
-        "{head}{}{tail}",
-        name.replace(':', COLON.encode_utf8(&mut [0; 4]))
-    )
-}
-
-fn split_indent(s: &str) -> (&str, &str) {
-    let n = s.len() - s.trim_start().len();
-    s.split_at(n)
+    let mut out = String::with_capacity(line.len() + 8);
+    out.push_str(&line[..name_at]);
+    for (i, part) in name.split(':').enumerate() {
+        if i > 0 {
+            out.push(COLON);
+        }
+        out.push_str(part);
+    }
+    out.push_str(tail);
+    out
 }
 
 /// A metric name (`[a-zA-Z0-9_:]*`) at the start of `s`, and the rest.
 fn split_name(s: &str) -> (&str, &str) {
+    const IN_NAME: [bool; 256] = {
+        let mut t = [false; 256];
+        let mut b = 0;
+        while b < 256 {
+            let c = b as u8;
+            t[b] = c.is_ascii_alphanumeric() || c == b'_' || c == b':';
+            b += 1;
+        }
+        t
+    };
     let n = s
-        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .bytes()
+        .position(|b| !IN_NAME[b as usize])
         .unwrap_or(s.len());
     s.split_at(n)
 }
@@ -374,19 +615,13 @@ fn excerpt(line: &str) -> String {
 }
 
 /// The one dialect whose names appear; none or several is an error.
-fn detect(samples: &Samples) -> Result<Dialect, DialectError> {
+fn detect(specs: &[Spec], marks: &[bool]) -> Result<Dialect, DialectError> {
     let mut found: Option<Dialect> = None;
-    for spec in &SPECS {
-        let present = samples.keys().any(|name| match spec.prefix {
-            Some(p) => name.starts_with(p),
-            None => name == spec.running || name == spec.waiting,
-        });
-        if present {
-            if let Some(first) = found {
-                return Err(DialectError::Ambiguous(first, spec.dialect));
-            }
-            found = Some(spec.dialect);
+    for (spec, _) in specs.iter().zip(marks).filter(|(_, &marked)| marked) {
+        if let Some(first) = found {
+            return Err(DialectError::Ambiguous(first, spec.dialect));
         }
+        found = Some(spec.dialect);
     }
     found.ok_or(DialectError::UnknownDialect)
 }
@@ -1131,5 +1366,163 @@ process_cpu_seconds_total 12.5
         assert!("vLLM".parse::<Dialect>().is_err());
         assert_eq!(Dialect::Trtllm.metrics_path(), "/prometheus/metrics");
         assert_eq!(Dialect::Vllm.metrics_path(), "/metrics");
+    }
+
+    #[test]
+    fn filtered_parse_reads_as_the_whole_exposition() {
+        // Every fixture, and the TTFT shapes where the buckets are needed, read the same
+        // whether prometheus-parse sees every line or only those of the metrics read.
+        let without = |body: &str, needle: &str| -> String {
+            body.lines()
+                .filter(|l| !l.contains(needle))
+                .map(|l| format!("{l}\n"))
+                .collect()
+        };
+        let fixtures = [
+            VLLM_TWO_ENGINES,
+            VLLM_V0,
+            SGLANG,
+            TGI,
+            LLAMACPP,
+            TRTLLM,
+            PLAIN,
+        ];
+        for body in fixtures {
+            assert!(parse(body, None).is_ok(), "{body}");
+        }
+        let mut bodies: Vec<String> = fixtures.map(String::from).to_vec();
+        for body in [VLLM_TWO_ENGINES, SGLANG, TRTLLM] {
+            let untyped = without(body, "# TYPE ");
+            bodies.push(without(body, "_seconds_count"));
+            bodies.push(without(&untyped, "_seconds_count"));
+            bodies.push(untyped);
+        }
+        bodies.push(format!("{VLLM_V0}{PLAIN}"));
+        // A TYPE line that makes a summary, alone and undone by a later one.
+        let summary = "# TYPE inference_requests_running summary\n";
+        let gauge = "# TYPE inference_requests_running gauge\n";
+        let running =
+            "inference_requests_running{quantile=\"0.5\"} 2\ninference_requests_waiting 0\n";
+        assert!(matches!(
+            parse(&format!("{summary}{running}"), None),
+            Err(DialectError::Missing { .. })
+        ));
+        assert_eq!(ok(&format!("{summary}{gauge}{running}")).running, 2.0);
+        bodies.push(format!("{summary}{running}"));
+        bodies.push(format!("{summary}{gauge}{running}"));
+        // A bucket without `le`, which prometheus-parse drops without a word (it always has).
+        bodies.push(format!(
+            "{}trtllm_time_to_first_token_seconds_bucket{{model_name=\"x\"}} 5\n",
+            without(TRTLLM, "_seconds_count")
+        ));
+        for body in &bodies {
+            for forced in [None].into_iter().chain(Dialect::ALL.map(Some)) {
+                assert_eq!(
+                    parse_lines(body, forced, true),
+                    parse_lines(body, forced, false),
+                    "{forced:?}\n{body}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn spec_names_have_their_prefix() {
+        for spec in &SPECS {
+            let Some(prefix) = spec.prefix else { continue };
+            let ttft = spec.ttft.iter().map(|f| format!("{f}_bucket"));
+            for name in [spec.running, spec.waiting]
+                .into_iter()
+                .chain(spec.kv.iter().copied())
+                .map(String::from)
+                .chain(ttft)
+            {
+                assert!(name.starts_with(prefix), "{name}");
+                assert!(spec.reads(&name), "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn filter_leaves_out_what_is_not_read() {
+        let read: Vec<String> = scan(VLLM_TWO_ENGINES, &SPECS, true)
+            .unwrap()
+            .samples
+            .into_keys()
+            .collect();
+        let mut read: Vec<&str> = read.iter().map(String::as_str).collect();
+        read.sort();
+        // The buckets too: `_count` is there.
+        assert_eq!(
+            read,
+            [
+                "vllm:gpu_cache_usage_perc",
+                "vllm:kv_cache_usage_perc",
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:time_to_first_token_seconds_count",
+                "vllm:time_to_first_token_seconds_sum",
+            ]
+        );
+    }
+
+    #[test]
+    fn unread_lines_need_only_be_samples() {
+        // prometheus-parse cannot read these (a '}' in a label value), Prometheus can: in a
+        // metric nobody reads they do no harm.
+        for line in [
+            r#"http_requests_total{handler="/v1/models/{model_id}",method="GET"} 3"#,
+            r#"odd{a="q\"}",b="\\"} 1 1700000000000"#,
+        ] {
+            let body = format!("{PLAIN}{line}\n");
+            assert_eq!(ok(&body).running, 2.0, "{line}");
+            assert!(parse_lines(&body, None, false).is_err(), "{line}");
+        }
+        // Still refused: not a sample line at all (garbage, a body cut short), or no number.
+        for (line, why) in [
+            (r#"some_metric{a="1"#, "not a sample"),
+            (r#"some_metric{a="}"#, "not a sample"),
+            ("some_metric", "not a sample"),
+            ("some_metric   ", "not a sample"),
+            ("some_metric{a=\"1\"}1", "not a sample"),
+            ("some_metric 1,5", "the value is not a number"),
+            (":", "not a sample"),
+        ] {
+            match err(&format!("{PLAIN}{line}\n")) {
+                DialectError::Syntax {
+                    line: 10, reason, ..
+                } => assert_eq!(reason, why, "{line}"),
+                e => panic!("{line}: {e}"),
+            }
+        }
+        // In a metric that is read, prometheus-parse's reading is the rule: refused, never
+        // half read.
+        let e = err(&PLAIN.replace(
+            "inference_requests_running 2",
+            r#"inference_requests_running{a="}"} 2"#,
+        ));
+        assert!(matches!(e, DialectError::Syntax { line: 3, .. }), "{e}");
+        // The first bad line is named, read or not.
+        let e = err(&format!(
+            "{}<html>\n",
+            PLAIN.replace(
+                "inference_requests_running 2",
+                "inference_requests_running{a=\"}\"} 2"
+            )
+        ));
+        assert!(matches!(e, DialectError::Syntax { line: 3, .. }), "{e}");
+        // TTFT buckets are read only without `_count`, and held to prometheus-parse only then.
+        let odd_bucket = TRTLLM.replace(
+            r#"bucket{engine_type="undefined",le="0.25""#,
+            r#"bucket{engine_type="}",le="0.25""#,
+        );
+        assert_eq!(ok(&odd_bucket).ttft.unwrap().count, 96.0);
+        let no_count: String = odd_bucket
+            .lines()
+            .filter(|l| !l.contains("_seconds_count"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let e = err(&no_count);
+        assert!(matches!(e, DialectError::Syntax { line: 8, .. }), "{e}");
     }
 }
