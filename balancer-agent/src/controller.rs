@@ -222,6 +222,9 @@ impl Controller {
             for s in &pool.server {
                 let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
                 if let Some(server) = self.servers.get(&key) {
+                    if server.state() != State::Up {
+                        w.exclude(key.clone());
+                    }
                     if server.reading.is_some() || server.state() != State::Up {
                         w.insert(key, server.decision.weight);
                     }

@@ -15,27 +15,27 @@ use aya::{
 use balancer_common::{
     hint::{HintRange, MAX_HINT_BUCKETS},
     Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, MAGLEV_SIZE, MAGLEV_TABLES,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES,
 };
 use tracing::{info, warn};
 
 use crate::{objects, plan::Plan};
 
-/// The Maglev array, mapped into our memory (it is created `BPF_F_MMAPABLE`), so that a
-/// table of 16381 slots is written with stores instead of 16381 syscalls.
-struct MaglevMap {
+/// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
+/// thousands of slots is written with stores instead of a syscall per slot.
+struct MappedSlots {
     ptr: NonNull<u64>,
     len: usize,
     // Keeps the map alive as long as the mapping.
     _map: MapData,
 }
 
-impl MaglevMap {
-    fn new(map: Map) -> Result<Self> {
+impl MappedSlots {
+    fn new(map: Map, name: &str, len: u32) -> Result<Self> {
         let Map::Array(data) = map else {
-            bail!("MAGLEV is not an array map");
+            bail!("{name} is not an array map");
         };
-        let len = (MAGLEV_TABLES * MAGLEV_SIZE) as usize;
+        let len = len as usize;
         let bytes = len * std::mem::size_of::<u64>();
         // SAFETY: mapping a BPF array fd read-write, shared, for its exact size; checked.
         let ptr = unsafe {
@@ -49,25 +49,27 @@ impl MaglevMap {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error()).context("mmap of the MAGLEV map");
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("mmap of the {name} map"));
         }
-        Ok(MaglevMap {
+        Ok(MappedSlots {
             ptr: NonNull::new(ptr.cast()).context("mmap returned null")?,
             len,
             _map: data,
         })
     }
 
-    fn table(&mut self, index: u32) -> &mut [u64] {
-        let start = (index * MAGLEV_SIZE) as usize;
-        // SAFETY: the mapping covers `len` u64s and `index < MAGLEV_TABLES`; the program
-        // only reads it, and the agent is its only writer.
+    /// Slots `index * size ..` of `size` slots.
+    fn table(&mut self, index: u32, size: u32) -> &mut [u64] {
+        let start = (index * size) as usize;
+        // SAFETY: the mapping covers `len` u64s; the slice below is bounds-checked against
+        // it. The program only reads these maps, and the agent is their only writer.
         let all = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
-        &mut all[start..start + MAGLEV_SIZE as usize]
+        &mut all[start..start + size as usize]
     }
 }
 
-impl Drop for MaglevMap {
+impl Drop for MappedSlots {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly what `new` mapped.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len * 8) };
@@ -75,13 +77,23 @@ impl Drop for MaglevMap {
 }
 
 // SAFETY: the mapping is plain shared memory owned by this struct.
-unsafe impl Send for MaglevMap {}
+unsafe impl Send for MappedSlots {}
+
+/// Writes `ids` into `slots`, touching only the slots that change.
+fn write_table(slots: &mut [u64], ids: &[u32]) {
+    for (slot, id) in slots.iter_mut().zip(ids) {
+        if *slot != u64::from(*id) {
+            *slot = u64::from(*id);
+        }
+    }
+}
 
 pub struct Dataplane {
     ebpf: Ebpf,
     vips: BpfHashMap<MapData, VipKey, VipInfo>,
     backends: Array<MapData, Backend>,
-    maglev: MaglevMap,
+    maglev: MappedSlots,
+    alternates: MappedSlots,
     counters: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
@@ -117,7 +129,16 @@ impl Dataplane {
         prog.load().context("the kernel refused the XDP program")?;
         let vips = BpfHashMap::try_from(take(&mut ebpf, "VIPS")?)?;
         let backends = Array::try_from(take(&mut ebpf, "BACKENDS")?)?;
-        let maglev = MaglevMap::new(take(&mut ebpf, "MAGLEV")?)?;
+        let maglev = MappedSlots::new(
+            take(&mut ebpf, "MAGLEV")?,
+            "MAGLEV",
+            MAGLEV_TABLES * MAGLEV_SIZE,
+        )?;
+        let alternates = MappedSlots::new(
+            take(&mut ebpf, "ALTERNATES")?,
+            "ALTERNATES",
+            ALTERNATES_SLOTS,
+        )?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
         let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
@@ -132,6 +153,7 @@ impl Dataplane {
             vips,
             backends,
             maglev,
+            alternates,
             counters,
             backend_stats,
             flows,
@@ -179,11 +201,16 @@ impl Dataplane {
             let active = installed.map(|(_, info)| info.table);
             let unchanged = active.is_some_and(|t| {
                 self.maglev
-                    .table(t)
+                    .table(t, MAGLEV_SIZE)
                     .iter()
                     .zip(&vip.table)
                     .all(|(slot, id)| *slot == u64::from(*id))
             });
+            // Alternates are written in place: see `ALTERNATES` in the program's maps.
+            write_table(
+                self.alternates.table(vip.vip_id, ALTERNATES_SIZE),
+                &vip.alternates,
+            );
             let table = match active {
                 Some(t) if unchanged => t,
                 // The other table of this VIP's pair.
@@ -191,9 +218,7 @@ impl Dataplane {
                 None => vip.vip_id * 2,
             };
             if !unchanged {
-                for (slot, id) in self.maglev.table(table).iter_mut().zip(&vip.table) {
-                    *slot = u64::from(*id);
-                }
+                write_table(self.maglev.table(table, MAGLEV_SIZE), &vip.table);
             }
             let hint = vip.hint.unwrap_or(HintRange {
                 start: 0,

@@ -2,15 +2,15 @@
 //! one Maglev table per VIP. Pure code; `dataplane` writes the result.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     net::{IpAddr, SocketAddr},
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Result};
 use balancer_common::{
-    addr_words, hint::HintRange, Backend, Replies, ReplyKey, VipKey, BACKEND_F_PRESENT,
-    IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
+    addr_words, hint::HintRange, Backend, Replies, ReplyKey, VipKey, ALTERNATES_SIZE,
+    BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
 };
 
 use crate::{
@@ -29,6 +29,8 @@ pub struct VipPlan {
     pub live_backends: u32,
     /// `MAGLEV_SIZE` backend ids.
     pub table: Vec<u32>,
+    /// `ALTERNATES_SIZE` backend ids: every eligible server, by configured weight.
+    pub alternates: Vec<u32>,
     /// Each configured server's id, in configuration order.
     pub members: Vec<(SocketAddr, u32)>,
     pub hint: Option<HintRange>,
@@ -47,9 +49,30 @@ pub struct Plan {
     pub replies: Vec<(ReplyKey, Replies)>,
 }
 
-/// Weights decided by the control loop, by pool name and server; a server that is absent
-/// gets its configured weight.
-pub type Weights = HashMap<(String, SocketAddr), u32>;
+/// What the control loop decided, by pool name and server: weights that override the
+/// configured ones, and the servers that may take no connection at all (DOWN, draining),
+/// not even as an alternate. A server named by neither gets its configured weight.
+#[derive(Debug, Clone, Default)]
+pub struct Weights {
+    decided: HashMap<(String, SocketAddr), u32>,
+    ineligible: HashSet<(String, SocketAddr)>,
+}
+
+impl Weights {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The weight of `server` of `pool` in the Maglev table.
+    pub fn insert(&mut self, server: (String, SocketAddr), weight: u32) {
+        self.decided.insert(server, weight);
+    }
+
+    /// `server` of `pool` is in neither table.
+    pub fn exclude(&mut self, server: (String, SocketAddr)) {
+        self.ineligible.insert(server);
+    }
+}
 
 /// A server's identity: the same server in two pools gets two ids, so that its per-pool
 /// counters stay apart.
@@ -123,6 +146,8 @@ impl Ids {
             let (addr, family) = addr_words(pool.vip);
             let mut members = Vec::new();
             let mut keys = Vec::new();
+            // Configured weights of the servers that may take connections at all.
+            let mut alternates = Vec::new();
             for s in &pool.server {
                 let key = (pool.name.clone(), s.address, s.port);
                 let id = match self.backends.get(&key) {
@@ -142,21 +167,28 @@ impl Ids {
                 ));
                 let addr = SocketAddr::new(s.address, s.port);
                 keys.push((id, addr.to_string()));
-                let weight = weights
-                    .get(&(pool.name.clone(), addr))
-                    .copied()
-                    .unwrap_or(s.weight);
+                let server = (pool.name.clone(), addr);
+                let weight = weights.decided.get(&server).copied().unwrap_or(s.weight);
+                let eligible = if weights.ineligible.contains(&server) {
+                    0
+                } else {
+                    s.weight
+                };
                 members.push((id, weight, addr));
+                alternates.push(eligible);
             }
-            let maglev: Vec<MaglevBackend<'_>> = keys
-                .iter()
-                .zip(&members)
-                .map(|((id, key), (_, weight, _))| MaglevBackend {
-                    id: *id,
-                    key,
-                    weight: *weight,
-                })
-                .collect();
+            let table = |weights: &mut dyn Iterator<Item = u32>, size| {
+                let backends: Vec<MaglevBackend<'_>> = keys
+                    .iter()
+                    .zip(weights)
+                    .map(|((id, key), weight)| MaglevBackend {
+                        id: *id,
+                        key,
+                        weight,
+                    })
+                    .collect();
+                build_table(&backends, size)
+            };
             plan.vips.push(VipPlan {
                 pool: pool.name.clone(),
                 vip_id,
@@ -168,7 +200,8 @@ impl Ids {
                 },
                 idle_timeout_s: pool.idle_timeout_s,
                 live_backends: members.iter().filter(|(_, w, _)| *w > 0).count() as u32,
-                table: build_table(&maglev, MAGLEV_SIZE),
+                table: table(&mut members.iter().map(|(_, w, _)| *w), MAGLEV_SIZE),
+                alternates: table(&mut alternates.into_iter(), ALTERNATES_SIZE),
                 members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
                 hint: pool.hint_range(),
             });
@@ -336,6 +369,27 @@ mod tests {
             plan.vips[0].members[1],
             ("10.4.0.12:8000".parse().unwrap(), id_of(&plan, 12))
         );
+    }
+
+    #[test]
+    fn alternates_hold_every_eligible_server_by_configured_weight() {
+        let c = config(&[("10.4.0.11", 100), ("10.4.0.12", 300), ("10.4.0.13", 100)]);
+        let key = |o: u8| ("p".to_string(), SocketAddr::from(([10, 4, 0, o], 8000)));
+        let mut w = Weights::new();
+        w.insert(key(11), 0); // saturated
+        w.insert(key(13), 0);
+        w.exclude(key(13)); // DOWN or draining
+        let plan = Ids::default().plan(&c, &w, Instant::now()).unwrap();
+        let vip = &plan.vips[0];
+        let share = |t: &[u32], o: u8| {
+            t.iter().filter(|&&id| id == id_of(&plan, o)).count() as f64 / t.len() as f64
+        };
+        assert_eq!(vip.alternates.len(), ALTERNATES_SIZE as usize);
+        assert_eq!(share(&vip.table, 11), 0.0);
+        assert!((share(&vip.alternates, 11) - 0.25).abs() < 0.02);
+        assert!((share(&vip.alternates, 12) - 0.75).abs() < 0.02);
+        assert_eq!(share(&vip.alternates, 13), 0.0);
+        assert!(!vip.alternates.contains(&0));
     }
 
     #[test]

@@ -31,9 +31,9 @@
 //!    judged on old numbers: they are never saturated, and get [`STALE_TRUST`] times the score
 //!    of the median fresh, unsaturated server with their configured weight; with no such
 //!    server, their configured weight. Liveness is the health checks' business.
-//! 6. **Fail-open**: when every eligible server is saturated, the least loaded ones (lowest
-//!    waiting, then TTFT, then running + fresh flows, then KV use) get weight in proportion to
-//!    their configured weights instead of refusing all new connections.
+//! 6. **Fail-open**: when every eligible server is saturated, all of them get weight,
+//!    `configured / (1 + load)`, instead of refusing all new connections: the overflow is
+//!    shared so that queues grow evenly.
 //!
 //! [`worth_applying`] decides whether new weights differ enough from the applied ones to
 //! rewrite the Maglev table (hysteresis).
@@ -298,30 +298,6 @@ fn median(mut xs: Vec<f64>) -> Option<f64> {
     })
 }
 
-/// Fail-open: of `candidates` (indexes of eligible, saturated, fresh servers), those that are
-/// least loaded. Each key (waiting, TTFT, running + fresh flows, KV use) narrows the set to
-/// its minimum, but only when every remaining candidate publishes it: a server that does not
-/// publish a signal is neither favoured nor penalised for it. Candidates equal on every key
-/// that decided are all returned.
-fn least_loaded(candidates: &[usize], pics: &[Picture]) -> Vec<usize> {
-    type Key = fn(&Picture) -> Option<f64>;
-    let keys: [Key; 4] = [|p| p.waiting(), |p| p.ttft, |p| Some(p.running()), |p| p.kv];
-    let mut left = candidates.to_vec();
-    for key in keys {
-        let values: Option<Vec<f64>> = left.iter().map(|&i| key(&pics[i])).collect();
-        if let Some(values) = values {
-            let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-            left = left
-                .iter()
-                .zip(&values)
-                .filter(|(_, v)| **v <= min)
-                .map(|(i, _)| *i)
-                .collect();
-        }
-    }
-    left
-}
-
 /// Weights for one pool, one [`Decision`] per server, in order. See the module doc for the
 /// rules; `docs/policy.md` for the reasons.
 pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
@@ -378,10 +354,14 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
     }
 
     if scores.iter().all(Option::is_none) && !saturated_fresh.is_empty() {
-        // Every eligible server is saturated: fail open to the least loaded.
-        for i in least_loaded(&saturated_fresh, &pics) {
-            scores[i] = Some(f64::from(servers[i].configured));
-            out[i].reason = format!("fail-open: least loaded ({})", out[i].reason);
+        // Every eligible server is saturated: share the overflow by load, so that the queues
+        // grow evenly. A single "least loaded" winner would take every new connection until
+        // the next scrape, and be the most loaded by then. KV headroom is gone or beside the
+        // point here, so only the load counts.
+        for &i in &saturated_fresh {
+            let unit = 1.0 / (1.0 + pics[i].load());
+            scores[i] = Some(f64::from(servers[i].configured) * unit);
+            out[i].reason = format!("fail-open: shared by load ({})", out[i].reason);
         }
     }
 
@@ -541,9 +521,9 @@ mod tests {
     }
 
     #[test]
-    fn all_saturated_fails_open_to_the_least_loaded_only() {
+    fn all_saturated_fails_open_shared_by_load() {
         let t = Thresholds::default();
-        // Waiting decides first.
+        // Loads 10 + 2x3 = 16, 12 + 2x1 = 14, 2 + 2x5 = 12: shares 1/17 : 1/15 : 1/13.
         let servers = [
             up(10.0, 3.0, Some(0.5), Some(900.0)),
             up(12.0, 1.0, Some(0.9), Some(2000.0)),
@@ -552,29 +532,20 @@ mod tests {
         let d = decide(&servers, &t);
         assert_eq!(
             d.iter().map(|d| d.weight).collect::<Vec<_>>(),
-            [0, MAX_WEIGHT, 0]
+            [7647, 8667, MAX_WEIGHT]
         );
         assert!(d.iter().all(|d| d.saturated));
-        assert!(d[1].reason.starts_with("fail-open: least loaded"), "{d:?}");
-        assert!(!d[0].reason.starts_with("fail-open"));
-        // Equal waiting: TTFT decides.
-        let servers = [
-            up(10.0, 2.0, None, Some(900.0)),
-            up(12.0, 2.0, None, Some(700.0)),
-        ];
-        assert_eq!(weights(&servers, &t), [0, MAX_WEIGHT]);
-        // Equal waiting and TTFT: running plus fresh flows decides.
-        let servers = [
-            up(4.0, 2.0, None, Some(700.0)),
-            up(3.0, 2.0, None, Some(700.0)),
-        ];
-        assert_eq!(weights(&servers, &t), [0, MAX_WEIGHT]);
-        // Saturated by KV only, everything else equal: the lower KV wins.
+        assert!(
+            d.iter()
+                .all(|d| d.reason.starts_with("fail-open: shared by load (waiting")),
+            "{d:?}"
+        );
+        // Saturated by KV only (no headroom at all): still shared by load.
         let servers = [
             up(4.0, 0.0, Some(0.99), Some(100.0)),
-            up(4.0, 0.0, Some(0.96), Some(100.0)),
+            up(9.0, 0.0, Some(0.96), Some(100.0)),
         ];
-        assert_eq!(weights(&servers, &t), [0, MAX_WEIGHT]);
+        assert_eq!(weights(&servers, &t), [MAX_WEIGHT, 5000]);
     }
 
     #[test]
@@ -587,7 +558,8 @@ mod tests {
             b,
             up(5.0, 4.0, None, None),
         ];
-        assert_eq!(weights(&servers, &t), [MAX_WEIGHT, 5000, 0]);
+        // Loads 9, 9, 13: configured weight times 1 / (1 + load).
+        assert_eq!(weights(&servers, &t), [MAX_WEIGHT, 5000, 7143]);
     }
 
     #[test]
@@ -719,13 +691,14 @@ mod tests {
         let d = decide(&[nan, up(4.0, 0.0, None, None)], &t);
         assert!(!d[0].saturated);
         assert_eq!(d[0].weight, d[1].weight);
-        // Fail-open skips a key a candidate does not publish: TTFT here, so running decides.
+        // Fail-open shares by load only: a missing TTFT neither favours nor penalises.
+        // Loads 4, 3, 5.
         let servers = [
             up(2.0, 1.0, None, None),
             up(1.0, 1.0, None, Some(600.0)),
             up(3.0, 1.0, None, Some(550.0)),
         ];
-        assert_eq!(weights(&servers, &t), [0, MAX_WEIGHT, 0]);
+        assert_eq!(weights(&servers, &t), [8000, MAX_WEIGHT, 6667]);
     }
 
     #[test]

@@ -26,6 +26,13 @@ pub const MAGLEV_SIZE: u32 = 16381;
 /// Each VIP owns two tables; the agent fills the idle one and then flips
 /// [`VipInfo::table`], so a new flow never sees a half-written table.
 pub const MAGLEV_TABLES: u32 = MAX_VIPS * 2;
+/// Slots per VIP of its alternates table: every server that may take a connection
+/// (saturated or not; not DOWN or draining), by configured weight. A SYN whose Maglev pick
+/// has no room draws two alternates there and takes the roomiest. Separate from the Maglev
+/// table because that one holds only unsaturated servers, which in a burst can be a single
+/// one: its alternates would be itself. Prime; a second chance needs less resolution.
+pub const ALTERNATES_SIZE: u32 = 1021;
+pub const ALTERNATES_SLOTS: u32 = MAX_VIPS * ALTERNATES_SIZE;
 /// Default number of flow-table entries, one per connection.
 pub const DEFAULT_FLOW_ENTRIES: u32 = 1 << 18;
 /// Default idle timeout of a flow.
@@ -253,7 +260,7 @@ pub enum Counter {
     /// candidates yet) and took the Maglev pick.
     HintMaglev,
     /// A new SYN's Maglev pick had no room (no free slot before a request would wait) and
-    /// the flow's second draw had more: it went there.
+    /// one of the flow's two draws from the VIP's alternates had more: it went there.
     MaglevSecond,
 }
 

@@ -20,11 +20,11 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::maglev_slots, Backend, Counter, FlowEntry, FlowKey, ReplyKey, VipInfo, VipKey,
+    hash::draws, Backend, Counter, FlowEntry, FlowKey, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE,
     BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
 };
 
-use maps::{count, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
+use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -205,34 +205,47 @@ fn new_flow(
     Ok((id, backend.addr, backend.port))
 }
 
-/// The weighted pick for a flow without a usable hint. A SYN whose first draw has no room
-/// takes the flow's second draw from the same table when that one has more: two choices
-/// keep a burst from piling onto one server between two scrapes, where one weighted draw
-/// cannot see load at all. Anything else keeps the first draw, the one every gateway and
-/// every restart agree on, and so does a SYN while its first draw has room: a flow whose
-/// entry is lost most likely finds its backend again.
+/// The weighted pick for a flow without a usable hint. A SYN whose pick has no room looks
+/// at two alternates of the VIP (servers that may take connections, by configured weight)
+/// and takes the one with the most room, if it has more: choices on the program's own
+/// counts keep a burst from piling onto whichever server the weights favoured at the last
+/// scrape. Anything else keeps the pick, the one every gateway and every restart agree on,
+/// and so does a SYN while its pick has room: a flow whose entry is lost most likely finds
+/// its backend again.
 #[inline(always)]
 fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
-    let (first, second) = maglev_slots(key, MAGLEV_SIZE);
-    let base = vip.table * MAGLEV_SIZE;
-    let id = match MAGLEV.get(base + first) {
+    let (slot, alternates) = draws(key);
+    let id = match MAGLEV.get(vip.table * MAGLEV_SIZE + slot) {
         Some(&id) if id != 0 => id as u32,
         _ => return Err(Counter::DropNoBackend),
     };
     if !syn {
         return Ok(id);
     }
-    let room = room::room(id);
-    if room > 0 {
+    let mut best = room::room(id);
+    if best > 0 {
         return Ok(id);
     }
-    match MAGLEV.get(base + second) {
-        Some(&alt) if alt != 0 && alt as u32 != id && room::room(alt as u32) > room => {
-            count(Counter::MaglevSecond);
-            Ok(alt as u32)
+    let mut chosen = id;
+    let base = vip.vip_id * ALTERNATES_SIZE;
+    let mut i = 0;
+    while i < alternates.len() {
+        if let Some(&alt) = ALTERNATES.get(base + alternates[i]) {
+            let alt = alt as u32;
+            if alt != 0 && alt != chosen && present(alt).is_some() {
+                let r = room::room(alt);
+                if r > best {
+                    best = r;
+                    chosen = alt;
+                }
+            }
         }
-        _ => Ok(id),
+        i += 1;
     }
+    if chosen != id {
+        count(Counter::MaglevSecond);
+    }
+    Ok(chosen)
 }
 
 /// The backend `id` names, if it is configured.

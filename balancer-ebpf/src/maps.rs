@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use balancer_common::{
     Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE, MAGLEV_TABLES,
-    MAX_BACKENDS, MAX_VIPS,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE,
+    MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -27,6 +27,14 @@ pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 #[map]
 pub static MAGLEV: Array<u64> =
     Array::with_max_entries(MAGLEV_TABLES * MAGLEV_SIZE, BPF_F_MMAPABLE);
+
+/// Alternates tables: `ALTERNATES_SIZE` backend ids per VIP (`vip_id * ALTERNATES_SIZE`),
+/// every server that may take a connection by configured weight, saturated or not. Written
+/// in place by the agent (mappable, like `MAGLEV`) when a server comes, goes, fails or drains:
+/// a SYN that reads it mid-write gets an old or a new id, and an alternate is only taken when
+/// it is present and has room.
+#[map]
+pub static ALTERNATES: Array<u64> = Array::with_max_entries(ALTERNATES_SLOTS, BPF_F_MMAPABLE);
 
 /// Connection tracking: one entry per connection, keyed as the client sends (client -> VIP),
 /// naming the backend; replies find it through `REPLIES`. One LRU shared by all CPUs, since

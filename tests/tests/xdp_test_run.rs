@@ -3,11 +3,15 @@
 //! program runs in a namespace of its own whose routes and permanent neighbours make the
 //! FIB answer deterministic: 10.4.0.0/24 and fd00:4::/64 behind g1, clients behind g0.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{ensure, Context, Result};
 use aya::programs::{TestRun, TestRunOptions, Xdp};
-use balancer_agent::{config::Config, dataplane::Dataplane, plan::Ids};
+use balancer_agent::{
+    config::Config,
+    dataplane::Dataplane,
+    plan::{Ids, VipPlan, Weights},
+};
 use balancer_common::{BackendStats, Counter};
 use balancer_tests::netns::Netns;
 use etherparse::{IpHeaders, Ipv4Header, PacketBuilder, TcpOptionElement, VlanId};
@@ -373,7 +377,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
                 .unwrap()
                 .vip_id;
             hinted_syns_go_home_then_spill(&mut h, n, vip_id, table, &id)?;
-            second_draw_when_the_first_has_no_room(&mut h, n, table, &id)?;
+            alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
         }
         Ok(())
     });
@@ -619,17 +623,10 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     Ok(())
 }
 
-/// The servers of `n.multi` that the agent's Maglev `table` names for a SYN from the
-/// client's port `sport` to the multi-backend VIP, first and second draw: what user space
-/// predicts the kernel will pick.
-fn maglev_draws(
-    n: &Net,
-    sport: u16,
-    table: &[u32],
-    id: &dyn Fn(IpAddr) -> u32,
-) -> Result<(IpAddr, IpAddr)> {
+/// The flow key of a SYN from the client's port `sport` to the multi-backend VIP.
+fn multi_key(n: &Net, sport: u16) -> balancer_common::FlowKey {
     let (src, family) = balancer_common::addr_words(n.client);
-    let key = balancer_common::FlowKey {
+    balancer_common::FlowKey {
         src,
         dst: balancer_common::addr_words(n.vip_multi).0,
         sport: sport.to_be(),
@@ -637,20 +634,38 @@ fn maglev_draws(
         proto: balancer_common::IPPROTO_TCP,
         family,
         _pad: [0; 2],
-    };
-    let (first, second) = balancer_common::hash::maglev_slots(&key, balancer_common::MAGLEV_SIZE);
-    let server = |slot: u32| {
-        n.multi
-            .iter()
-            .copied()
-            .find(|b| id(*b) == table[slot as usize])
-            .context("predicted id")
-    };
-    Ok((server(first)?, server(second)?))
+    }
 }
 
+/// The server of `n.multi` with id `id_of`.
+fn server(n: &Net, id_of: u32, id: &dyn Fn(IpAddr) -> u32) -> Result<IpAddr> {
+    n.multi
+        .iter()
+        .copied()
+        .find(|b| id(*b) == id_of)
+        .context("predicted id")
+}
+
+/// The server the agent's Maglev `table` names for a SYN from the client's port `sport` to
+/// the multi-backend VIP: what user space predicts the kernel will pick.
 fn maglev_pick(n: &Net, sport: u16, table: &[u32], id: &dyn Fn(IpAddr) -> u32) -> Result<IpAddr> {
-    Ok(maglev_draws(n, sport, table, id)?.0)
+    let (slot, _) = balancer_common::hash::draws(&multi_key(n, sport));
+    server(n, table[slot as usize], id)
+}
+
+/// The pick and the two alternates of that SYN, in `vip`'s tables.
+fn draws(
+    n: &Net,
+    sport: u16,
+    vip: &VipPlan,
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<(IpAddr, [IpAddr; 2])> {
+    let (slot, [a, b]) = balancer_common::hash::draws(&multi_key(n, sport));
+    let alternate = |s: u32| server(n, vip.alternates[s as usize], id);
+    Ok((
+        server(n, vip.table[slot as usize], id)?,
+        [alternate(a)?, alternate(b)?],
+    ))
 }
 
 /// The kernel's flow hash and table lookup agree with the agent's: for many flows, the
@@ -805,30 +820,52 @@ fn hinted_syns_go_home_then_spill(
     Ok(())
 }
 
-/// A SYN whose first Maglev draw has no room takes its second draw if that one has more;
-/// with room at the first, or as much at the second, or for a mid-stream packet, the first.
-fn second_draw_when_the_first_has_no_room(
+/// A SYN whose Maglev pick has no room takes the roomier of its two alternates if that one
+/// has more; with room at the pick, or no more room at the alternates, or for a mid-stream
+/// packet, the pick. Alternates include saturated servers (weight 0 in the Maglev table),
+/// which is what lets a burst leave the one server the weights left.
+fn alternates_when_the_pick_has_no_room(
     h: &mut Harness,
     n: &Net,
-    table: &[u32],
+    config: &Config,
     id: &dyn Fn(IpAddr) -> u32,
 ) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
-    let mut ports = (46000..47000u16).filter_map(|p| {
-        let (a, b) = maglev_draws(n, p, table, id).ok()?;
-        (a != b).then_some((p, a, b))
-    });
-    let mut next = || ports.next().context("a port whose two draws differ");
-    for &b in &n.multi {
-        h.dp.set_budget(id(b), 1_000_000)?;
-    }
-    // Every case also checks `maglev_second`: it counts exactly the second draws.
+    let multi = |plan: &balancer_agent::plan::Plan| {
+        plan.vips
+            .iter()
+            .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
+            .cloned()
+            .context("the multi-backend VIP")
+    };
+    let plain = Ids::default().plan(config, &Weights::new(), std::time::Instant::now())?;
+    let vip = multi(&plain)?;
+    let budgets = |h: &mut Harness, b: [u32; 4]| -> Result<()> {
+        for (server, budget) in n.multi.iter().zip(b) {
+            h.dp.set_budget(id(*server), budget)?;
+        }
+        Ok(())
+    };
+    // Ports whose pick and two alternates are three different servers, and what they are.
+    let distinct = |vip: &VipPlan, from: u16| {
+        (from..from + 4000).find_map(|p| {
+            let (pick, [a, b]) = draws(n, p, vip, id).ok()?;
+            (pick != a && pick != b && a != b).then_some((p, pick, a, b))
+        })
+    };
+    let index = |s: IpAddr| {
+        n.multi
+            .iter()
+            .position(|m| *m == s)
+            .expect("a multi server")
+    };
+    // Every case also checks `maglev_second`: it counts exactly the SYNs that left the pick.
     let case = |h: &mut Harness,
                 flags: &'static str,
                 sport: u16,
                 expect: IpAddr,
-                second: bool,
-                what: &str| {
+                what: &str,
+                pick: IpAddr| {
         let pkt = client_syn(n, n.vip_multi, sport).with(|f| f.flags = flags);
         let before = h.counter(Counter::MaglevSecond);
         let new = if flags == "S" {
@@ -846,55 +883,82 @@ fn second_draw_when_the_first_has_no_room(
             new,
         )?;
         let after = h.counter(Counter::MaglevSecond);
+        let moved = u64::from(expect != pick);
         ensure!(
-            after == before + u64::from(second),
+            after == before + moved,
             "{what}: maglev_second {before} -> {after}"
         );
         Ok::<_, anyhow::Error>(())
     };
-    let (p, first, _) = next()?;
-    case(h, "S", p, first, false, "room at the first draw")?;
-    let (p, first, second) = next()?;
-    h.dp.set_budget(id(first), 0)?;
-    case(h, "S", p, second, true, "no room at the first draw")?;
-    let (p, first, second) = next()?;
-    h.dp.set_budget(id(first), 0)?;
-    h.dp.set_budget(id(second), 0)?;
-    case(h, "S", p, first, false, "no more room at the second")?;
-    let (p, first, _) = next()?;
-    h.dp.set_budget(id(first), 0)?;
-    case(h, "A", p, first, false, "mid-stream keeps the first draw")?;
-    // Room for one at the first draw: it takes it; then both at 0, a tie keeps the first;
-    // then the first past its threshold and room at the second: the second.
-    let (p, first, second) = next()?;
-    h.dp.set_budget(id(first), 1)?;
-    h.dp.set_budget(id(second), 0)?;
-    case(h, "S", p, first, false, "last room at the first")?;
-    let same = |from: u16| {
-        (from..from + 2000)
-            .find(|&q| maglev_draws(n, q, table, id).is_ok_and(|d| d == (first, second)))
-            .context("another port with the same two draws")
-    };
-    case(
-        h,
-        "S",
-        same(50000)?,
-        first,
-        false,
-        "as little room at the second",
-    )?;
-    h.dp.set_budget(id(second), 1)?;
-    case(
-        h,
-        "S",
-        same(52000)?,
-        second,
-        true,
-        "more room at the second",
-    )?;
-    for &b in &n.multi {
-        h.dp.set_budget(id(b), 1_000_000)?;
+    // (budget of the pick, of alternate a, of alternate b, flags) -> expected server.
+    let cases: [(u32, u32, u32, &str, char, &str); 6] = [
+        (1, 5, 9, "S", 'p', "room at the pick"),
+        (0, 2, 5, "S", 'b', "no room at the pick, most at b"),
+        (0, 5, 2, "S", 'a', "no room at the pick, most at a"),
+        (0, 3, 3, "S", 'a', "a tie between the alternates: the first"),
+        (0, 0, 0, "S", 'p', "no more room at the alternates"),
+        (0, 5, 5, "A", 'p', "mid-stream keeps the pick"),
+    ];
+    let mut from = 46000;
+    for (bp, ba, bb, flags, expect, what) in cases {
+        let (port, pick, a, b) = distinct(&vip, from).context("ports with distinct draws")?;
+        from = port + 1;
+        let mut budget = [1_000_000; 4];
+        budget[index(pick)] = bp;
+        budget[index(a)] = ba;
+        budget[index(b)] = bb;
+        budgets(h, budget)?;
+        let expect = match expect {
+            'p' => pick,
+            'a' => a,
+            _ => b,
+        };
+        case(h, flags, port, expect, what, pick)?;
     }
+
+    // A saturated server (weight 0: out of the Maglev table) is still an alternate, and the
+    // only one with room here: the SYN goes there.
+    let pool = &config
+        .pool
+        .iter()
+        .find(|p| p.vip == n.vip_multi)
+        .context("the multi pool")?
+        .name;
+    let mut weights = Weights::new();
+    let saturated = n.multi[0];
+    weights.insert((pool.clone(), SocketAddr::new(saturated, 8000)), 0);
+    let steered = Ids::default().plan(config, &weights, std::time::Instant::now())?;
+    let svip = multi(&steered)?;
+    ensure!(!svip.table.contains(&id(saturated)) && svip.alternates.contains(&id(saturated)));
+    h.dp.apply(&steered)?;
+    let (port, pick, _) = (from..from + 4000)
+        .find_map(|p| {
+            let (pick, alts) = draws(n, p, &svip, id).ok()?;
+            (alts[0] == saturated).then_some((p, pick, alts))
+        })
+        .context("a port with the saturated server as first alternate")?;
+    let mut budget = [0; 4];
+    budget[index(saturated)] = 3;
+    budgets(h, budget)?;
+    case(
+        h,
+        "S",
+        port,
+        saturated,
+        "a saturated alternate with room",
+        pick,
+    )?;
+    // DOWN or draining: in neither table.
+    let mut weights = Weights::new();
+    let key = (pool.clone(), SocketAddr::new(saturated, 8000));
+    weights.insert(key.clone(), 0);
+    weights.exclude(key);
+    let down = Ids::default().plan(config, &weights, std::time::Instant::now())?;
+    let dvip = multi(&down)?;
+    ensure!(!dvip.table.contains(&id(saturated)) && !dvip.alternates.contains(&id(saturated)));
+
+    h.dp.apply(&plain)?;
+    budgets(h, [1_000_000; 4])?;
     Ok(())
 }
 
