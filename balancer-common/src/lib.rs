@@ -172,7 +172,23 @@ pub struct FlowEntry {
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet in either direction,
     /// refreshed at most once per second to keep the shared cache line quiet.
     pub last_seen_ns: u64,
-    pub created_ns: u64,
+    /// Where the client's packets go next (towards the backend), and the replies.
+    pub to_backend: NextHop,
+    pub to_client: NextHop,
+}
+
+/// A FIB answer kept in a flow entry: a lookup costs more than the rest of an established
+/// packet's work (about 220 ns for IPv4 and 450 ns for IPv6 on the benchmark machine), and
+/// the answer for one flow's direction rarely changes. Good for the 2^30 ns "epoch" it was
+/// looked up in (about a second); `ifindex == 0` means nothing is cached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NextHop {
+    pub ifindex: u32,
+    /// `bpf_ktime_get_ns() >> 30` when looked up.
+    pub epoch: u32,
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
 }
 
 /// A backend as its replies name it: source address and port.
@@ -364,7 +380,8 @@ mod tests {
         assert_eq!(size_of::<BucketStats>(), 48);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<FlowKey>(), 40);
-        assert_eq!(size_of::<FlowEntry>(), 48);
+        assert_eq!(size_of::<FlowEntry>(), 80);
+        assert_eq!(size_of::<NextHop>(), 20);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);

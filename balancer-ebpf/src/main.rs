@@ -20,8 +20,8 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::draws, Backend, Counter, FlowEntry, FlowKey, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE,
-    BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
+    hash::draws, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo, VipKey,
+    ALTERNATES_SIZE, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
 };
 
 use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
@@ -97,6 +97,9 @@ fn same_addr(a: &[u32; 4], b: &[u32; 4]) -> bool {
     a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3]
 }
 
+/// Where a client's packet goes: backend id, address and port, and the next hop there.
+type Target = (u32, [u32; 4], u16, Result<NextHop, Counter>);
+
 /// Client -> VIP: follow the flow's entry, or pick a backend for a new flow.
 #[inline(always)]
 fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
@@ -127,12 +130,15 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
                 entry.closed = 1;
                 note_closed(entry.backend_id);
             }
-            target = Some((entry.backend_id, entry.nat_addr, entry.nat_port));
+            let ports = (pkt.key.sport, entry.nat_port);
+            let ends = (&pkt.key.src, &entry.nat_addr);
+            let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
+            target = Some((entry.backend_id, entry.nat_addr, entry.nat_port, hop));
         }
     }
-    let (backend_id, addr, port) = match target {
+    let (backend_id, addr, port, hop) = match target {
         Some(t) => t,
-        None => match new_flow(pkt, vip, syn, now) {
+        None => match new_flow(ctx, pkt, vip, syn, now) {
             Ok(t) => t,
             Err(reason) => {
                 count(reason);
@@ -154,17 +160,43 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, &pkt.key.src, &addr, (pkt.key.sport, port))
+    nat::send(ctx, pkt, hop)
 }
 
-/// Picks a backend through the VIP's active Maglev table and records both directions.
+/// The next hop of one direction of a flow: the answer cached in its entry while it is from
+/// this epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale
+/// answer lives a second at most: a changed route or neighbour MAC takes effect by then.
+#[inline(always)]
+fn cached_hop(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    cache: &mut NextHop,
+    now: u64,
+    (src, dst): (&[u32; 4], &[u32; 4]),
+    ports: (u16, u16),
+) -> Result<NextHop, Counter> {
+    let epoch = (now >> 30) as u32;
+    if cache.ifindex != 0 && cache.epoch == epoch {
+        return Ok(*cache);
+    }
+    let hop = nat::next_hop(ctx, pkt, src, dst, ports);
+    *cache = match hop {
+        Ok(h) => NextHop { epoch, ..h },
+        Err(_) => NextHop::default(),
+    };
+    hop
+}
+
+/// Picks a backend (hint bucket, Maglev, alternates) and records the flow, with the next
+/// hop towards the backend.
 #[inline(always)]
 fn new_flow(
+    ctx: &XdpContext,
     pkt: &Packet,
     vip: &VipInfo,
     syn: bool,
     now: u64,
-) -> Result<(u32, [u32; 4], u16), Counter> {
+) -> Result<Target, Counter> {
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
     }
@@ -178,7 +210,7 @@ fn new_flow(
             (id, present(id).ok_or(Counter::DropBadBackend)?)
         }
     };
-    let entry = FlowEntry {
+    let mut entry = FlowEntry {
         nat_addr: backend.addr,
         nat_port: backend.port,
         closed: 0,
@@ -187,8 +219,12 @@ fn new_flow(
         idle_timeout_s: vip.idle_timeout_s,
         _pad: 0,
         last_seen_ns: now,
-        created_ns: now,
+        to_backend: NextHop::default(),
+        to_client: NextHop::default(),
     };
+    let ports = (pkt.key.sport, backend.port);
+    let ends = (&pkt.key.src, &backend.addr);
+    let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
@@ -202,7 +238,7 @@ fn new_flow(
         unsafe { (*stats).flows_opened += 1 };
     }
     room::note_open(id);
-    Ok((id, backend.addr, backend.port))
+    Ok((id, backend.addr, backend.port, hop))
 }
 
 /// The weighted pick for a flow without a usable hint. A SYN whose pick has no room looks
@@ -278,7 +314,10 @@ fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) ->
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, &vip.addr, &pkt.key.dst, (vip.port, pkt.key.dport))
+    let ports = (vip.port, pkt.key.dport);
+    let ends = (&vip.addr, &pkt.key.dst);
+    let hop = cached_hop(ctx, pkt, &mut entry.to_client, now, ends, ports);
+    nat::send(ctx, pkt, hop)
 }
 
 #[inline(always)]

@@ -12,7 +12,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect},
     programs::XdpContext,
 };
-use balancer_common::{csum, Counter, FAMILY_V4};
+use balancer_common::{csum, Counter, NextHop, FAMILY_V4};
 
 use crate::{maps::count, parse::Packet};
 
@@ -103,21 +103,16 @@ pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -
     rewrite(ctx, pkt, (V4_SRC, V6_SRC), TCP_SPORT, addr, port)
 }
 
-/// Sends the rewritten packet towards `src -> dst`: straight out of a NIC when the FIB
-/// knows the next hop and its MAC, through the stack otherwise (which resolves the neighbour
-/// and sends the next packets our way again).
+/// The FIB's next hop for `src -> dst`, or why there is none to use: the neighbour's MAC is
+/// not known yet (the stack resolves it, and sends the packet on), or no forwarding answer.
 #[inline(always)]
-pub fn send(
+pub fn next_hop(
     ctx: &XdpContext,
     pkt: &Packet,
     src: &[u32; 4],
     dst: &[u32; 4],
     ports: (u16, u16),
-) -> u32 {
-    if pkt.vlan {
-        count(Counter::PassVlan);
-        return XDP_PASS;
-    }
+) -> Result<NextHop, Counter> {
     // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.l4_protocol = pkt.key.proto;
@@ -144,30 +139,51 @@ pub fn send(
             0,
         )
     };
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        count(if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-            Counter::PassNoNeigh
-        } else {
-            Counter::PassFibOther
-        });
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && p.ifindex != 0 {
+        Ok(NextHop {
+            ifindex: p.ifindex,
+            epoch: 0,
+            dmac: p.dmac,
+            smac: p.smac,
+        })
+    } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        Err(Counter::PassNoNeigh)
+    } else {
+        Err(Counter::PassFibOther)
+    }
+}
+
+/// Sends the rewritten packet to `hop`: out of a NIC, or through the stack when there is no
+/// next hop to use (`Err`: why) or the frame is VLAN-tagged.
+#[inline(always)]
+pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>) -> u32 {
+    if pkt.vlan {
+        count(Counter::PassVlan);
         return XDP_PASS;
     }
+    let hop = match hop {
+        Ok(hop) => hop,
+        Err(why) => {
+            count(why);
+            return XDP_PASS;
+        }
+    };
     // We are the router now, so the TTL is ours to decrement (the stack does it for the
     // packets we pass). The parser refused TTL <= 1.
     if decrement_ttl(ctx, pkt).is_err()
-        || put(ctx, 0, p.dmac).is_err()
-        || put(ctx, 6, p.smac).is_err()
+        || put(ctx, 0, hop.dmac).is_err()
+        || put(ctx, 6, hop.smac).is_err()
     {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    if p.ifindex == ctx.ingress_ifindex() as u32 {
+    if hop.ifindex == ctx.ingress_ifindex() as u32 {
         count(Counter::Tx);
         XDP_TX
     } else {
         count(Counter::Redirect);
         // SAFETY: a plain helper call; it only records the target for the driver.
-        unsafe { bpf_redirect(p.ifindex, 0) as u32 }
+        unsafe { bpf_redirect(hop.ifindex, 0) as u32 }
     }
 }
 

@@ -362,6 +362,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         };
         for n in &nets {
             forwarding(&mut h, n, id(n.backend))?;
+            next_hop_is_cached_for_an_epoch(&mut h, n)?;
             passing(&mut h, n)?;
             let table = &plan
                 .vips
@@ -959,6 +960,99 @@ fn alternates_when_the_pick_has_no_room(
 
     h.dp.apply(&plain)?;
     budgets(h, [1_000_000; 4])?;
+    Ok(())
+}
+
+/// CLOCK_MONOTONIC >> 30: the epoch a cached next hop is good for.
+fn epoch() -> u32 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ((ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64) >> 30) as u32
+}
+
+/// The FIB answer is kept in the flow entry, per direction: a packet of the same epoch uses
+/// it without a lookup (shown by planting a MAC the FIB would never give), a packet of a later
+/// epoch looks up again and refreshes it.
+fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let planted = [0x02, 0, 0, 0, 0x0e, 0x0e];
+    let syn = client_syn(n, n.vip, 40200);
+    let out = |f: &Frame, dmac| {
+        f.with(|f| {
+            f.smac = MAC_G1;
+            f.dmac = dmac;
+            f.dst = n.backend;
+            f.ttl -= 1;
+        })
+    };
+    h.expect(
+        &format!("{fam} SYN, next hop looked up"),
+        h.g0,
+        &syn.bytes(),
+        XDP_REDIRECT,
+        &out(&syn, MAC_BACKEND).bytes(),
+        Counter::FlowNewSyn,
+    )?;
+    let (src, family) = balancer_common::addr_words(n.client);
+    let key = balancer_common::FlowKey {
+        src,
+        dst: balancer_common::addr_words(n.vip).0,
+        sport: 40200u16.to_be(),
+        dport: 8000u16.to_be(),
+        proto: balancer_common::IPPROTO_TCP,
+        family,
+        _pad: [0; 2],
+    };
+    let entry = h.dp.flow_table().get(&key, 0).context("the SYN's entry")?;
+    ensure!(
+        entry.to_backend.dmac == MAC_BACKEND && entry.to_backend.ifindex == h.g1,
+        "{fam}: cached {:?}",
+        entry.to_backend
+    );
+    let ack = syn.with(|f| f.flags = "A");
+    // The same epoch: the planted MAC is used. Planting and sending take microseconds; a try
+    // that straddles an epoch boundary is tried again.
+    let mut used = false;
+    for _ in 0..3 {
+        let at = epoch();
+        let mut e = entry;
+        e.to_backend.dmac = planted;
+        e.to_backend.epoch = at;
+        h.dp.flow_table().insert(key, e, 0)?;
+        let (v, got) = h.run(h.g0, &ack.bytes())?;
+        ensure!(v == XDP_REDIRECT, "{fam}: verdict {v}");
+        if got == out(&ack, planted).bytes() {
+            used = true;
+            break;
+        }
+        ensure!(
+            epoch() != at,
+            "{fam}: a cached next hop of this epoch was not used"
+        );
+    }
+    ensure!(used, "{fam}: three tries straddled an epoch boundary");
+    // An earlier epoch: looked up again, and the fresh answer kept.
+    let mut e = h.dp.flow_table().get(&key, 0)?;
+    e.to_backend.epoch = epoch().wrapping_sub(1);
+    h.dp.flow_table().insert(key, e, 0)?;
+    h.expect(
+        &format!("{fam} ACK after the epoch, looked up again"),
+        h.g0,
+        &ack.bytes(),
+        XDP_REDIRECT,
+        &out(&ack, MAC_BACKEND).bytes(),
+        Counter::Forward,
+    )?;
+    let e = h.dp.flow_table().get(&key, 0)?;
+    ensure!(
+        e.to_backend.dmac == MAC_BACKEND && e.to_backend.epoch >= epoch().wrapping_sub(1),
+        "{fam}: not refreshed: {:?}",
+        e.to_backend
+    );
     Ok(())
 }
 
