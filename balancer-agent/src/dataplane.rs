@@ -2,8 +2,10 @@
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
+    mem::size_of,
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
+    sync::atomic::{AtomicU64, Ordering},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -15,7 +17,8 @@ use aya::{
 use balancer_common::{
     hint::{HintRange, MAX_HINT_BUCKETS},
     Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BUCKET_SLOTS, MAGLEV_SIZE,
+    MAGLEV_TABLES, MAX_BACKENDS,
 };
 use tracing::{info, warn};
 
@@ -59,6 +62,14 @@ impl MappedSlots {
         })
     }
 
+    /// The slots as counters the program updates under us: atomics, so that every read is
+    /// a real load.
+    fn shared(&self) -> &[AtomicU64] {
+        // SAFETY: as in `table`; AtomicU64 has the layout of u64, and the kernel's writes
+        // to these slots are single aligned stores or atomic adds.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<AtomicU64>(), self.len) }
+    }
+
     /// Slots `index * size ..` of `size` slots.
     fn table(&mut self, index: u32, size: u32) -> &mut [u64] {
         let start = (index * size) as usize;
@@ -78,6 +89,10 @@ impl Drop for MappedSlots {
 
 // SAFETY: the mapping is plain shared memory owned by this struct.
 unsafe impl Send for MappedSlots {}
+
+/// u64 slots per `BackendLoad` and per `BucketStats` in their mapped arrays.
+const LOAD_SLOTS: u32 = (size_of::<BackendLoad>() / 8) as u32;
+const BUCKET_STAT_SLOTS: u32 = (size_of::<BucketStats>() / 8) as u32;
 
 /// Writes `ids` into `slots`, touching only the slots that change.
 fn write_table(slots: &mut [u64], ids: &[u32]) {
@@ -99,10 +114,12 @@ pub struct Dataplane {
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
     replies: BpfHashMap<MapData, ReplyKey, Replies>,
     buckets: Array<MapData, Bucket>,
-    load: Array<MapData, BackendLoad>,
-    opens: Array<MapData, u64>,
-    closes: Array<MapData, u64>,
-    bucket_stats: PerCpuArray<MapData, BucketStats>,
+    /// `BackendLoad` per backend: three slots each.
+    load: MappedSlots,
+    opens: MappedSlots,
+    closes: MappedSlots,
+    /// `BucketStats` per bucket slot: `BUCKET_STAT_SLOTS` slots each.
+    bucket_stats: MappedSlots,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
     /// What `REPLIES` holds now.
@@ -144,10 +161,14 @@ impl Dataplane {
         let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
         let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
-        let load = Array::try_from(take(&mut ebpf, "LOAD")?)?;
-        let opens = Array::try_from(take(&mut ebpf, "OPENS")?)?;
-        let closes = Array::try_from(take(&mut ebpf, "CLOSES")?)?;
-        let bucket_stats = PerCpuArray::try_from(take(&mut ebpf, "BUCKET_STATS")?)?;
+        let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
+        let opens = MappedSlots::new(take(&mut ebpf, "OPENS")?, "OPENS", MAX_BACKENDS)?;
+        let closes = MappedSlots::new(take(&mut ebpf, "CLOSES")?, "CLOSES", MAX_BACKENDS)?;
+        let bucket_stats = MappedSlots::new(
+            take(&mut ebpf, "BUCKET_STATS")?,
+            "BUCKET_STATS",
+            BUCKET_SLOTS * BUCKET_STAT_SLOTS,
+        )?;
         Ok(Dataplane {
             ebpf,
             vips,
@@ -367,34 +388,38 @@ impl Dataplane {
 
     /// Hinted SYNs, spills and picks of one bucket so far, summed over CPUs.
     pub fn bucket_stats(&self, vip_id: u32, bucket: u16) -> Result<BucketStats> {
-        let values = self.bucket_stats.get(&bucket_slot(vip_id, bucket), 0)?;
-        Ok(values.iter().fold(BucketStats::default(), |mut a, v| {
-            a.hinted += v.hinted;
-            a.spilled += v.spilled;
-            for (sum, p) in a.picks.iter_mut().zip(v.picks) {
-                *sum += p;
-            }
-            a
-        }))
+        let start = (bucket_slot(vip_id, bucket) * BUCKET_STAT_SLOTS) as usize;
+        let v = self
+            .bucket_stats
+            .shared()
+            .get(start..start + BUCKET_STAT_SLOTS as usize)
+            .context("bucket out of range")?;
+        let at = |i: usize| v[i].load(Ordering::Relaxed);
+        Ok(BucketStats {
+            hinted: at(0),
+            spilled: at(1),
+            picks: std::array::from_fn(|p| at(2 + p)),
+        })
     }
 
     /// Lets backend `id` take `budget` more new connections before it counts as past its
     /// spill threshold, counted from now.
+    ///
+    /// Three stores, not one atomic update: a SYN on another CPU in between sees an old
+    /// budget with a new base or the reverse, a room off by the few connections of the last
+    /// fold interval, once.
     pub fn set_budget(&mut self, id: u32, budget: u32) -> Result<()> {
-        let opened_base = self.opens.get(&id, 0)?;
-        let closed_base = self.closes.get(&id, 0)?;
-        self.load
-            .set(
-                id,
-                BackendLoad {
-                    opened_base,
-                    closed_base,
-                    budget,
-                    _pad: 0,
-                },
-                0,
-            )
-            .with_context(|| format!("writing the budget of backend {id}"))
+        let i = id as usize;
+        let (opens, closes) = (self.opens.shared(), self.closes.shared());
+        let (Some(opened), Some(closed)) = (opens.get(i), closes.get(i)) else {
+            bail!("backend id {id} out of range");
+        };
+        let load = &self.load.shared()[i * LOAD_SLOTS as usize..][..LOAD_SLOTS as usize];
+        load[0].store(opened.load(Ordering::Relaxed), Ordering::Relaxed);
+        load[1].store(closed.load(Ordering::Relaxed), Ordering::Relaxed);
+        // `budget` and `_pad` share the third slot, budget in the low half (little-endian).
+        load[2].store(u64::from(budget), Ordering::Relaxed);
+        Ok(())
     }
 
     /// Connections still open on each of `ids`: entries with no FIN or RST seen and not idle

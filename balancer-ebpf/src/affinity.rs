@@ -8,7 +8,7 @@ use balancer_common::{hint::MAX_HINT_BUCKETS, Counter, VipInfo, BUCKET_SLOTS};
 use crate::{
     maps::{count, BUCKETS, BUCKET_STATS},
     parse::Packet,
-    room::room,
+    room::{room, shared_add},
 };
 
 /// The bucket a packet hints, if its VIP takes hints and its source port is in the range.
@@ -60,19 +60,19 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<u32> {
         }
     }
     if let Some(stats) = stats {
-        // SAFETY: per-CPU value, no other writer.
+        // SAFETY: a valid value of the map for this program run; every field is a u64.
         unsafe {
-            (*stats).hinted += 1;
+            shared_add(&raw mut (*stats).hinted);
             match chosen {
-                Some(0) => {}
                 Some(i) => {
-                    (*stats).spilled += 1;
-                    (*stats).picks[i] += 1;
+                    if i != 0 {
+                        shared_add(&raw mut (*stats).spilled);
+                    }
+                    if let Some(pick) = (*stats).picks.get_mut(i) {
+                        shared_add(pick);
+                    }
                 }
-                None => (*stats).spilled += 1,
-            }
-            if chosen == Some(0) {
-                (*stats).picks[0] += 1;
+                None => shared_add(&raw mut (*stats).spilled),
             }
         }
     }

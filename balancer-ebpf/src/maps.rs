@@ -65,24 +65,27 @@ pub static BACKEND_STATS: PerCpuArray<BackendStats> =
 pub static BUCKETS: Array<Bucket> = Array::with_max_entries(BUCKET_SLOTS, 0);
 
 /// New connections each backend may still take before it is past its spill threshold,
-/// written by the agent every time it folds in fresh metrics.
+/// written by the agent every time it folds in fresh metrics. This map and the next three are
+/// mappable: the agent reads and writes them with memory accesses, not a syscall per value,
+/// several times per scrape interval for every server and bucket.
 #[map]
-pub static LOAD: Array<BackendLoad> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub static LOAD: Array<BackendLoad> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAPABLE);
 
 /// New connections per backend, shared by all CPUs (atomic adds), so that a spill decision
 /// on one CPU sees the connections opened on the others since the agent's last `LOAD`.
 #[map]
-pub static OPENS: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub static OPENS: Array<u64> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAPABLE);
 
 /// Connections closed (first FIN or RST) per backend, shared like `OPENS`: a connection that
 /// ended gives its room back before the agent's next update.
 #[map]
-pub static CLOSES: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub static CLOSES: Array<u64> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAPABLE);
 
-/// Per hint bucket and CPU: hinted SYNs, spills, and picks per candidate place; the agent
-/// reads them to log spills and to drop alternates nobody uses any more.
+/// Per hint bucket: hinted SYNs, spills, and picks per candidate place (atomic adds: SYNs
+/// only, so sharing the line across CPUs is cheap); the agent reads them to log spills and to
+/// drop alternates nobody uses any more.
 #[map]
-pub static BUCKET_STATS: PerCpuArray<BucketStats> = PerCpuArray::with_max_entries(BUCKET_SLOTS, 0);
+pub static BUCKET_STATS: Array<BucketStats> = Array::with_max_entries(BUCKET_SLOTS, BPF_F_MMAPABLE);
 
 #[inline(always)]
 pub fn count(c: Counter) {

@@ -37,7 +37,7 @@ pub fn note_close(id: u32) {
 /// An atomic add (BPF_ATOMIC_ADD): the bpf target offers no `AtomicU64::fetch_add` (it has
 /// no compare-and-swap) but the instruction itself has existed since the first eBPF.
 #[inline(always)]
-fn shared_add(p: *mut u64) {
+pub fn shared_add(p: *mut u64) {
     // SAFETY: a valid, aligned u64 in a map's value area for this program run; the old value
     // is not used, which lets LLVM emit the plain atomic add.
     #[cfg(target_arch = "bpf")]
