@@ -5,7 +5,7 @@
 use std::{
     collections::{HashMap, HashSet},
     fmt,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
 };
 
@@ -38,8 +38,8 @@ pub struct Agent {
     /// Unix socket of the CLI.
     #[serde(default = "default_control_socket")]
     pub control_socket: PathBuf,
-    /// Flow-table capacity in entries; each connection takes two (one per direction).
-    /// Read at start only: the table is created once.
+    /// Flow-table capacity in entries, one per connection. Read at start only: the table is
+    /// created once.
     #[serde(default = "default_flow_entries")]
     pub flow_table_entries: u32,
     /// How often every server's metrics are fetched.
@@ -59,6 +59,9 @@ pub struct Agent {
     /// Consecutive good checks that bring it back UP.
     #[serde(default = "default_rise")]
     pub rise: u32,
+    /// Where the agent serves its own Prometheus metrics (`GET /metrics`); none when absent.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Agent {
@@ -335,10 +338,15 @@ impl Config {
         let mut in_pools = HashMap::new();
         for (i, p) in self.pool.iter().enumerate() {
             let at = |k: &str| format!("pool[{i}].{k}");
-            if p.name.is_empty() || p.name.contains(char::is_whitespace) {
+            // It names the pool on the command line, in logs and as a metrics label.
+            let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+            if p.name.is_empty() || !p.name.chars().all(plain) {
                 return Err((
                     at("name"),
-                    format!("{:?} must be non-empty, without spaces", p.name),
+                    format!(
+                        "{:?} must be non-empty: letters, digits, '-', '_' and '.' only",
+                        p.name
+                    ),
                 ));
             }
             if !names.insert(&p.name) {
@@ -591,6 +599,16 @@ metrics_port = 8001
                 "interfaces",
             ),
             ("name = \"chat-pool\"", "name = \"\"", "pool[0].name"),
+            (
+                "name = \"chat-pool\"",
+                "name = \"chat pool\"",
+                "pool[0].name",
+            ),
+            (
+                "name = \"chat-pool\"",
+                "name = 'chat\"pool'",
+                "pool[0].name",
+            ),
             ("name = \"chat-pool\"", "nmae = \"chat-pool\"", "nmae"),
             ("10.4.0.12", "10.4.0.11", "pool[0].server[1].address"),
         ];

@@ -727,6 +727,19 @@ impl Controller {
             .collect())
     }
 
+    /// Everything the agent's metrics endpoint reports, now.
+    pub fn snapshot(&self) -> crate::exporter::Snapshot {
+        crate::exporter::Snapshot {
+            counters: self.counters().unwrap_or_default(),
+            pools: self
+                .config
+                .pool
+                .iter()
+                .filter_map(|p| self.show(&p.name).ok())
+                .collect(),
+        }
+    }
+
     /// Answers one control-socket request.
     pub fn handle(&mut self, request: crate::control::Request) -> Response {
         use crate::control::Request::*;

@@ -5,6 +5,7 @@ pub mod control;
 pub mod controller;
 pub mod dataplane;
 pub mod dialect;
+pub mod exporter;
 pub mod health;
 pub mod hint;
 pub mod maglev;

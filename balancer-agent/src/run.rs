@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use futures_util::future::join_all;
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::{UnixListener, UnixStream},
+    net::{TcpListener, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
     time::{sleep, timeout, Instant},
 };
@@ -24,6 +24,7 @@ use crate::{
     control::{Request, Response},
     controller::Controller,
     dataplane::Dataplane,
+    exporter,
     health::Checker,
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
 };
@@ -60,12 +61,18 @@ pub async fn run(config_path: &Path) -> Result<()> {
         "ready"
     );
 
-    let tasks = [
+    let mut tasks = vec![
         tokio::spawn(scrape_loop(ctl.clone())),
         tokio::spawn(fold_loop(ctl.clone())),
         tokio::spawn(health_loop(ctl.clone())),
         tokio::spawn(serve(listener, ctl.clone())),
     ];
+    if let Some(addr) = config.agent.metrics_listen {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("agent.metrics_listen: binding {addr}"))?;
+        tasks.push(tokio::spawn(export(listener, ctl.clone())));
+    }
     loop {
         tokio::select! {
             _ = hup.recv() => match reload(config_path, &ctl) {
@@ -99,6 +106,9 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     }
     if new.agent.control_socket != old.control_socket {
         warn!("agent.control_socket changes only when the agent restarts");
+    }
+    if new.agent.metrics_listen != old.metrics_listen {
+        warn!("agent.metrics_listen changes only when the agent restarts");
     }
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();
@@ -231,6 +241,26 @@ async fn serve(listener: UnixListener, ctl: Shared) {
                 sleep(Duration::from_millis(100)).await;
             }
         }
+    }
+}
+
+/// Serves the agent's own metrics, `GET /metrics`, until the agent stops.
+async fn export(listener: TcpListener, ctl: Shared) {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let snapshot = lock(&ctl).snapshot();
+            async move {
+                use axum::{http::header::CONTENT_TYPE, http::StatusCode, response::IntoResponse};
+                match exporter::render(snapshot) {
+                    Ok(text) => ([(CONTENT_TYPE, exporter::CONTENT_TYPE)], text).into_response(),
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }
+        }),
+    );
+    if let Err(e) = axum::serve(listener, app).await {
+        warn!("metrics endpoint stopped: {e}");
     }
 }
 

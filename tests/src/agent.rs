@@ -2,7 +2,7 @@
 //! the configuration file, signals, and its log.
 
 use std::marker::PhantomData;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -42,6 +42,8 @@ pub struct AgentSection {
     pub fall: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rise: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// `[[pool]]`; as in [`AgentSection`], `None` keys are left to the agent's defaults.
@@ -117,6 +119,7 @@ impl AgentConfig {
                 health_timeout_ms: None,
                 fall: None,
                 rise: None,
+                metrics_listen: None,
             },
             pools: vec![pool("chat-v4", Family::V4), pool("chat-v6", Family::V6)],
         }

@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -46,6 +46,8 @@ const POOL: &str = "chat-v4";
 /// Each backend publishes the metrics of a different server: the agent detects each one.
 const DIALECTS: [&str; BACKENDS] = ["vllm", "sglang", "trtllm", "llamacpp"];
 const SCRAPE_INTERVAL: Duration = Duration::from_millis(500);
+/// The agent's own metrics, on the gateway namespace's loopback.
+const METRICS_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9477);
 const HEALTH_INTERVAL: Duration = Duration::from_millis(500);
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(400);
 const FALL: u32 = 3;
@@ -165,6 +167,7 @@ fn base_config(topology: &Topology) -> AgentConfig {
     agent.health_timeout_ms = Some(millis(HEALTH_TIMEOUT));
     agent.fall = Some(FALL);
     agent.rise = Some(RISE);
+    agent.metrics_listen = Some(METRICS_LISTEN);
     config
 }
 
@@ -965,6 +968,63 @@ fn sample(bed: &Bed, i: usize, until: &OnceLock<Instant>) -> Result<Vec<Sample>>
 /// each server's running, waiting and KV use must be values the simulator had at the time of
 /// the scrape `show` reports (its `metrics_age_ms`, which must be under one scrape interval
 /// plus the scrape's own time); llama.cpp publishes no KV gauge, so `show` must have none.
+/// The agent's own metrics endpoint (`GET /metrics`, OpenMetrics text) reports every
+/// server UP with the load `show` saw: `load[i]` requests running and waiting.
+fn metrics_agree(bed: &Bed, load: &[usize; BACKENDS]) -> Result<()> {
+    let reply = bed
+        .topology
+        .gw()
+        .enter(|| client::get(METRICS_LISTEN, "/metrics"))?;
+    let content_type = reply
+        .head
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        .map(|(_, v)| v.as_str());
+    ensure!(
+        reply.head.status == 200
+            && content_type.is_some_and(|t| t.starts_with("application/openmetrics-text")),
+        "GET /metrics: {} {content_type:?}",
+        reply.head.status
+    );
+    let scrape = prometheus_parse::Scrape::parse(reply.body.lines().map(|l| Ok(l.to_owned())))
+        .context("parsing the agent's metrics")?;
+    let value = |name: &str, server: &str| -> Option<f64> {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && s.labels.get("server") == Some(server))
+            .and_then(|s| match s.value {
+                prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => Some(v),
+                _ => None,
+            })
+    };
+    for (i, &n) in load.iter().enumerate() {
+        let server = format!("{}:8000", address(i));
+        let busy = value("balancer_server_running", &server).unwrap_or(0.0)
+            + value("balancer_server_waiting", &server).unwrap_or(0.0);
+        ensure!(
+            busy == n as f64,
+            "{server}: running + waiting {busy} in /metrics, {n} in show"
+        );
+        let up = scrape.samples.iter().any(|s| {
+            s.metric == "balancer_server_state"
+                && s.labels.get("server") == Some(server.as_str())
+                && s.labels.get("state") == Some("UP")
+        });
+        ensure!(up, "{server} is not UP in /metrics");
+    }
+    let packets = scrape.samples.iter().any(|s| {
+        s.metric == "balancer_xdp_events_total" && s.labels.get("event") == Some("packets")
+    });
+    ensure!(packets, "no packet counter in /metrics");
+    println!(
+        "/metrics: {} samples, load per server as in show",
+        scrape.samples.len()
+    );
+    Ok(())
+}
+
 fn show_agrees_with_the_simulators(bed: &mut Bed) -> Result<()> {
     const LOAD: [usize; BACKENDS] = [2, 5, 4, 1];
     const QUEUED: usize = 1;
@@ -993,6 +1053,7 @@ fn show_agrees_with_the_simulators(bed: &mut Bed) -> Result<()> {
             }))
         },
     )?;
+    metrics_agree(bed, &LOAD)?;
 
     let until = OnceLock::new();
     let (samples, shows) = thread::scope(|scope| -> Result<_> {

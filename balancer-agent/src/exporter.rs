@@ -1,0 +1,226 @@
+//! The agent's own Prometheus metrics: what `show` and `counters` tell an operator, in a form
+//! a monitoring system can scrape (`[agent] metrics_listen`, `GET /metrics`). Collected on
+//! each scrape from a snapshot of the controller, so nothing here can drift from `show`.
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{text::encode, DescriptorEncoder, EncodeMetric},
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+    registry::Registry,
+};
+
+use crate::control::PoolView;
+
+/// The OpenMetrics text format, which `render` writes and Prometheus reads.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What one scrape of the agent reports.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// The program's counters, by name (`Counter::name`), summed over CPUs.
+    pub counters: Vec<(String, u64)>,
+    pub pools: Vec<PoolView>,
+}
+
+/// The text exposition of `snapshot`.
+pub fn render(snapshot: Snapshot) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::with_prefix("balancer");
+    registry.register_collector(Box::new(snapshot));
+    let mut out = String::new();
+    encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One gauge family: a value per label set, the label sets without a value left out (a
+/// signal the server does not publish is not invented as 0).
+fn gauges(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl Iterator<Item = (Labels, Option<f64>)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(name, help, None, ConstGauge::new(0.0f64).metric_type())?;
+    for (labels, value) in values {
+        if let Some(v) = value.filter(|v| v.is_finite()) {
+            ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut events = encoder.encode_descriptor(
+            "xdp_events",
+            "Packets the XDP program saw (event \"packets\"), and each verdict and pass, drop, \
+             flow and hint reason, summed over CPUs.",
+            None,
+            ConstCounter::new(0u64).metric_type(),
+        )?;
+        for (name, value) in &self.counters {
+            let labels: Labels = vec![("event", name.clone())];
+            ConstCounter::new(*value).encode(events.encode_family(&labels)?)?;
+        }
+        let servers = || {
+            self.pools.iter().flat_map(|p| {
+                p.servers.iter().map(move |s| {
+                    let labels: Labels =
+                        vec![("pool", p.pool.clone()), ("server", s.server.clone())];
+                    (labels, s)
+                })
+            })
+        };
+        let enc = &mut encoder;
+        gauges(
+            enc,
+            "server_state",
+            "1 for the server's state: UP, DOWN (health checks failed) or DRAINING.",
+            servers().map(|(mut l, s)| {
+                l.push(("state", s.state.clone()));
+                (l, Some(1.0))
+            }),
+        )?;
+        gauges(
+            enc,
+            "server_weight",
+            "Maglev weight: 0 for saturated, draining, DOWN or configured-0 servers; the \
+             pool's best server has 10000.",
+            servers().map(|(l, s)| (l, Some(f64::from(s.weight)))),
+        )?;
+        gauges(
+            enc,
+            "server_running",
+            "Requests running, as the server last reported.",
+            servers().map(|(l, s)| (l, s.running)),
+        )?;
+        gauges(
+            enc,
+            "server_waiting",
+            "Requests waiting, as the server last reported.",
+            servers().map(|(l, s)| (l, s.waiting)),
+        )?;
+        gauges(
+            enc,
+            "server_kv_usage_ratio",
+            "KV-cache memory in use, 0 to 1, as the server last reported.",
+            servers().map(|(l, s)| (l, s.kv_mem)),
+        )?;
+        gauges(
+            enc,
+            "server_ttft_seconds",
+            "Mean time to first token over the last scrape interval's requests.",
+            servers().map(|(l, s)| (l, s.ttft_ms.map(|ms| ms / 1000.0))),
+        )?;
+        gauges(
+            enc,
+            "server_flows",
+            "Connections through the balancer to the server that have not closed.",
+            servers().map(|(l, s)| (l, Some(s.flows as f64))),
+        )?;
+        gauges(
+            enc,
+            "server_new_flows_per_second",
+            "New connections per second over the last fold of the program's counters.",
+            servers().map(|(l, s)| (l, Some(s.new_per_s))),
+        )?;
+        gauges(
+            enc,
+            "server_metrics_age_seconds",
+            "Age of the last good scrape of the server's metrics (absent: never scraped).",
+            servers().map(|(l, s)| (l, s.metrics_age_ms.map(|ms| ms as f64 / 1000.0))),
+        )?;
+        gauges(
+            enc,
+            "server_scrape_failing",
+            "1 while the last scrape of the server's metrics failed.",
+            servers().map(|(l, s)| (l, Some(f64::from(u8::from(s.scrape_error.is_some()))))),
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::ServerRow;
+
+    fn row(server: &str, state: &str, running: Option<f64>) -> ServerRow {
+        ServerRow {
+            server: server.into(),
+            running,
+            waiting: Some(2.0),
+            kv_mem: None,
+            ttft_ms: Some(250.0),
+            state: state.into(),
+            weight: 10000,
+            flows: 7,
+            new_per_s: 1.5,
+            reason: "load 3".into(),
+            dialect: Some("vllm".into()),
+            metrics_age_ms: Some(400),
+            scrape_error: None,
+            health: "ok".into(),
+        }
+    }
+
+    #[test]
+    fn exposition_reads_back_as_the_snapshot() {
+        let snapshot = Snapshot {
+            counters: vec![("packets".into(), 12), ("flow_new_syn".into(), 3)],
+            pools: vec![PoolView {
+                pool: "chat-pool".into(),
+                vip: "192.0.2.60:8000".into(),
+                servers: vec![
+                    row("10.4.0.11:8000", "UP", Some(3.0)),
+                    row("10.4.0.12:8000", "DRAINING", None),
+                ],
+            }],
+        };
+        let text = render(snapshot).unwrap();
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        let parsed =
+            prometheus_parse::Scrape::parse(lines.iter().map(|l| Ok(l.to_string()))).unwrap();
+        let value = |name: &str, server: Option<&str>| {
+            parsed
+                .samples
+                .iter()
+                .filter(|s| s.metric == name)
+                .filter(|s| server.is_none_or(|v| s.labels.get("server") == Some(v)))
+                .map(|s| match s.value {
+                    prometheus_parse::Value::Counter(v)
+                    | prometheus_parse::Value::Gauge(v)
+                    | prometheus_parse::Value::Untyped(v) => v,
+                    _ => f64::NAN,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(value("balancer_xdp_events_total", None), [12.0, 3.0]);
+        assert_eq!(
+            value("balancer_server_running", Some("10.4.0.11:8000")),
+            [3.0]
+        );
+        // Not published: no sample rather than a 0.
+        assert!(value("balancer_server_running", Some("10.4.0.12:8000")).is_empty());
+        assert!(value("balancer_server_kv_usage_ratio", None).is_empty());
+        assert_eq!(
+            value("balancer_server_ttft_seconds", Some("10.4.0.11:8000")),
+            [0.25]
+        );
+        assert_eq!(value("balancer_server_flows", None), [7.0, 7.0]);
+        let draining = parsed
+            .samples
+            .iter()
+            .find(|s| {
+                s.metric == "balancer_server_state" && s.labels.get("state") == Some("DRAINING")
+            })
+            .expect("a state sample");
+        assert_eq!(draining.labels.get("pool"), Some("chat-pool"));
+        assert!(
+            text.contains("# TYPE balancer_server_weight gauge"),
+            "{text}"
+        );
+    }
+}
