@@ -30,13 +30,11 @@ use balancer_common::{
     addr_words, hint::HintRange, Bucket, FlowEntry, FlowKey, FAMILY_V4, IPPROTO_TCP,
 };
 use balancer_tests::bench::Report;
-use balancer_tests::netns::Netns;
+use balancer_tests::test_run::{gateway_links, ifindex, MAC_C0, MAC_G0};
 use etherparse::PacketBuilder;
 
 const XDP_PASS: u32 = 2;
 const XDP_REDIRECT: u32 = 4;
-const MAC_A: [u8; 6] = [2, 0, 0, 0, 9, 1];
-const MAC_B: [u8; 6] = [2, 0, 0, 0, 4, 1];
 
 /// Flows per chunk: 5000 entries (about 750 KB) and the runs between a flow's packets
 /// outgrow a core's L2, and a chunk's passes take milliseconds, far less than the second a
@@ -91,48 +89,20 @@ fn main() -> Result<()> {
         }
     };
     balancer_tests::require_root()?;
-    let ns = Netns::create("bench")?;
-    for (a, b) in [("g0", "c0"), ("g1", "s0")] {
-        ns.ip(&["link", "add", a, "type", "veth", "peer", "name", b])?;
-        ns.ip(&["link", "set", a, "up"])?;
-        ns.ip(&["link", "set", b, "up"])?;
-    }
-    for (addr, dev) in [
-        ("10.9.0.1/24", "g0"),
-        ("10.4.0.1/24", "g1"),
-        ("fd00:9::1/64", "g0"),
-        ("fd00:4::1/64", "g1"),
-    ] {
-        let mut args = vec!["addr", "add", addr, "dev", dev];
-        if addr.contains(':') {
-            args.push("nodad");
-        }
-        ns.ip(&args)?;
-    }
-    for (addr, dev) in [
-        ("10.4.0.11", "g1"),
-        ("fd00:4::11", "g1"),
-        ("10.9.0.2", "g0"),
-        ("fd00:9::2", "g0"),
-    ] {
-        ns.ip(&[
-            "neigh",
-            "replace",
-            addr,
-            "lladdr",
-            "02:00:00:00:04:11",
-            "dev",
-            dev,
-            "nud",
-            "permanent",
-        ])?;
-    }
+    let backend_mac = [0x02, 0, 0, 0, 0x04, 0x11];
+    let ns = gateway_links(
+        "bench",
+        &[
+            ("10.4.0.11", backend_mac, "g1"),
+            ("fd00:4::11", backend_mac, "g1"),
+            ("10.9.0.2", backend_mac, "g0"),
+            ("fd00:9::2", backend_mac, "g0"),
+        ],
+    )?;
     // The benchmark's clients live in 10.20-21.0.0/16 and fd00:20-21::/32, behind 10.9.0.2.
     for (net, via) in [("10.20.0.0/15", "10.9.0.2"), ("fd00:20::/31", "fd00:9::2")] {
         ns.ip(&["route", "add", net, "via", via, "dev", "g0"])?;
     }
-    ns.sysctl("net.ipv4.ip_forward", "1")?;
-    ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
     let started = Instant::now();
     let measured = ns.enter(|| measure(&plan))?;
     drop(ns);
@@ -151,7 +121,7 @@ fn main() -> Result<()> {
 }
 
 fn frame(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, syn: bool) -> Vec<u8> {
-    let eth = PacketBuilder::ethernet2(MAC_A, MAC_B);
+    let eth = PacketBuilder::ethernet2(MAC_C0, MAC_G0);
     let ipb = match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => eth.ipv4(s.octets(), d.octets(), 64),
         (IpAddr::V6(s), IpAddr::V6(d)) => eth.ipv6(s.octets(), d.octets(), 64),
@@ -184,14 +154,6 @@ fn run(prog: &Xdp, ifindex: u32, frame: &[u8], want: u32) -> Result<f64> {
         &frame[..frame.len().min(54)]
     );
     Ok(r.duration.as_nanos() as f64)
-}
-
-fn ifindex(name: &str) -> Result<u32> {
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: a NUL-terminated string that outlives the call.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    ensure!(i != 0, "no interface {name}");
-    Ok(i)
 }
 
 /// Runs `frame` `repeat` times in one BPF_PROG_TEST_RUN; the kernel's mean time per run in

@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 #[cfg(feature = "agent")]
@@ -264,6 +264,33 @@ impl<'t> Agent<'t> {
     pub fn show(&self, pool: &str) -> Result<PoolView> {
         let text = self.cli(&["show", "pool", pool, "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("show --json printed {text:?}"))
+    }
+
+    /// Polls `show` of `pool` every `poll` until `pred` holds: that answer, and when it
+    /// came. On a timeout, the error shows the last answer as the operator's table.
+    #[cfg(feature = "agent")]
+    pub fn wait_show(
+        &self,
+        pool: &str,
+        what: &str,
+        (timeout, poll): (Duration, Duration),
+        pred: impl Fn(&PoolView) -> Result<bool>,
+    ) -> Result<(PoolView, Instant)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let view = self.show(pool)?;
+            let at = Instant::now();
+            if pred(&view)? {
+                return Ok((view, at));
+            }
+            if at >= deadline {
+                bail!(
+                    "{what}: not within {timeout:?}; last show:\n{}",
+                    balancer_agent::control::render(&view)
+                );
+            }
+            std::thread::sleep(poll);
+        }
     }
 
     /// SIGTERM; the agent must exit cleanly within the grace period.

@@ -13,6 +13,7 @@ pub mod netns;
 pub mod process;
 pub mod real_backend;
 pub mod sim;
+pub mod test_run;
 pub mod topology;
 
 use std::sync::{Mutex, MutexGuard};

@@ -39,7 +39,7 @@ use std::sync::Mutex;
 use std::thread::{self, sleep};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use balancer_agent::affinity::{home, Member};
 use balancer_agent::control::{PoolView, ServerRow};
 use balancer_agent::hint;
@@ -190,10 +190,6 @@ impl<'t> Bed<'t> {
         self.agent.as_ref().expect("an agent runs")
     }
 
-    fn show(&self) -> Result<PoolView> {
-        self.agent().show(POOL)
-    }
-
     /// Polls `show` until `pred` holds; returns that answer.
     fn wait_show(
         &self,
@@ -201,20 +197,7 @@ impl<'t> Bed<'t> {
         timeout: Duration,
         pred: impl Fn(&PoolView) -> Result<bool>,
     ) -> Result<PoolView> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let pool = self.show()?;
-            if pred(&pool)? {
-                return Ok(pool);
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "{what}: not within {timeout:?}; last show:\n{}",
-                    table(&pool)
-                );
-            }
-            sleep(POLL);
-        }
+        Ok(self.agent().wait_show(POOL, what, (timeout, POLL), pred)?.0)
     }
 
     /// The agent's log lines from byte `from` that contain `needle`.

@@ -238,18 +238,7 @@ impl Bed<'_> {
         timeout: Duration,
         pred: impl Fn(&PoolView) -> Result<bool>,
     ) -> Result<(PoolView, Instant)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let pool = self.show()?;
-            let at = Instant::now();
-            if pred(&pool)? {
-                return Ok((pool, at));
-            }
-            if at >= deadline {
-                bail!("{what}: not within {timeout:?}; last show: {pool:#?}");
-            }
-            sleep(POLL);
-        }
+        self.agent.wait_show(POOL, what, (timeout, POLL), pred)
     }
 
     /// Brings the pool back to the state every scenario starts from: simulators with their

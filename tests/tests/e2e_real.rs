@@ -33,7 +33,7 @@ use std::path::Path;
 use std::thread::{self, sleep};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use balancer_agent::affinity::{home, Member};
 use balancer_agent::control::{PoolView, ServerRow};
 use balancer_agent::hint;
@@ -210,20 +210,7 @@ impl Bed<'_> {
         timeout: Duration,
         pred: impl Fn(&PoolView) -> Result<bool>,
     ) -> Result<PoolView> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let pool = self.show()?;
-            if pred(&pool)? {
-                return Ok(pool);
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "{what}: not within {timeout:?}; last show:\n{}",
-                    self.table().unwrap_or_else(|e| format!("{e:#}"))
-                );
-            }
-            sleep(POLL);
-        }
+        Ok(self.agent.wait_show(POOL, what, (timeout, POLL), pred)?.0)
     }
 
     /// `balancer-agent show pool POOL`: the operator's table.

@@ -14,6 +14,7 @@ use balancer_agent::{
 };
 use balancer_common::{BackendStats, Counter};
 use balancer_tests::netns::Netns;
+use balancer_tests::test_run::{gateway_links, ifindex, MAC_G0, MAC_G1, MAC_S0};
 use etherparse::{IpHeaders, Ipv4Header, PacketBuilder, TcpOptionElement, VlanId};
 
 const XDP_DROP: u32 = 1;
@@ -21,10 +22,6 @@ const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
 const XDP_REDIRECT: u32 = 4;
 
-const MAC_G0: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x01];
-const MAC_C0: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x02];
-const MAC_G1: [u8; 6] = [0x02, 0, 0, 0, 0x04, 0x01];
-const MAC_S0: [u8; 6] = [0x02, 0, 0, 0, 0x04, 0x02];
 const MAC_CLIENT: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x22];
 const MAC_SAME_LINK: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x50];
 const MAC_BACKEND: [u8; 6] = [0x02, 0, 0, 0, 0x04, 0x11];
@@ -267,74 +264,17 @@ impl Harness {
 }
 
 fn topology() -> Result<Netns> {
-    let ns = Netns::create("xdp")?;
-    let m = |mac: [u8; 6]| {
-        mac.iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<Vec<_>>()
-            .join(":")
-    };
-    for (a, ma, b, mb) in [("g0", MAC_G0, "c0", MAC_C0), ("g1", MAC_G1, "s0", MAC_S0)] {
-        ns.ip(&[
-            "link",
-            "add",
-            a,
-            "address",
-            &m(ma),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            b,
-            "address",
-            &m(mb),
-        ])?;
-        ns.ip(&["link", "set", a, "up"])?;
-        ns.ip(&["link", "set", b, "up"])?;
-    }
-    for (addr, dev) in [
-        ("10.9.0.1/24", "g0"),
-        ("10.4.0.1/24", "g1"),
-        ("fd00:9::1/64", "g0"),
-        ("fd00:4::1/64", "g1"),
-    ] {
-        let mut args = vec!["addr", "add", addr, "dev", dev];
-        if addr.contains(':') {
-            args.push("nodad");
-        }
-        ns.ip(&args)?;
-    }
-    for (addr, mac, dev) in [
-        ("10.9.0.2", MAC_CLIENT, "g0"),
-        ("fd00:9::2", MAC_CLIENT, "g0"),
-        ("10.9.0.50", MAC_SAME_LINK, "g0"),
-        ("fd00:9::50", MAC_SAME_LINK, "g0"),
-        ("10.4.0.11", MAC_BACKEND, "g1"),
-        ("fd00:4::11", MAC_BACKEND, "g1"),
-    ] {
-        ns.ip(&[
-            "neigh",
-            "replace",
-            addr,
-            "lladdr",
-            &m(mac),
-            "dev",
-            dev,
-            "nud",
-            "permanent",
-        ])?;
-    }
-    ns.sysctl("net.ipv4.ip_forward", "1")?;
-    ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-    Ok(ns)
-}
-
-fn ifindex(name: &str) -> Result<u32> {
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: a NUL-terminated string that outlives the call.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    ensure!(i != 0, "no interface {name}");
-    Ok(i)
+    gateway_links(
+        "xdp",
+        &[
+            ("10.9.0.2", MAC_CLIENT, "g0"),
+            ("fd00:9::2", MAC_CLIENT, "g0"),
+            ("10.9.0.50", MAC_SAME_LINK, "g0"),
+            ("fd00:9::50", MAC_SAME_LINK, "g0"),
+            ("10.4.0.11", MAC_BACKEND, "g1"),
+            ("fd00:4::11", MAC_BACKEND, "g1"),
+        ],
+    )
 }
 
 #[test]
