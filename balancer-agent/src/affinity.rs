@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use balancer_common::{
     hint::{fnv1a64, HintRange, BUCKET_CANDIDATES},
-    Bucket, BucketStats,
+    Bucket, BucketStats, BUDGET_UNKNOWN,
 };
 
 /// A server that may be a bucket's home: UP, not draining, configured weight > 0.
@@ -43,12 +43,6 @@ fn score(bucket: u16, m: &Member) -> f64 {
     let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     -f64::from(m.weight) / u.ln()
 }
-
-/// The budget of a server whose load is unknown (no fresh metrics: a plain TCP server, or
-/// one whose scrapes fail): it never counts as past its threshold, so neither a hint spill
-/// nor the program's second draw moves connections off it, and it is balanced by its
-/// weight alone, as the policy does with stale servers.
-pub const UNKNOWN_BUDGET: u32 = u32::MAX;
 
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
@@ -243,7 +237,12 @@ impl PoolAffinity {
                     .collect();
                 let best = loads
                     .iter()
-                    .filter(|l| eligible(l.id) && !taken.contains(&l.id) && l.budget > 0)
+                    .filter(|l| {
+                        eligible(l.id)
+                            && !taken.contains(&l.id)
+                            && l.budget > 0
+                            && l.budget != BUDGET_UNKNOWN
+                    })
                     .min_by(|a, b| {
                         let queued = |l: &Load| l.waiting.unwrap_or(0.0) > 0.0;
                         queued(a)

@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use balancer_common::{BackendStats, Counter};
+use balancer_common::{BackendStats, Counter, BUDGET_UNKNOWN};
 use tracing::{info, warn};
 
 use crate::{
@@ -376,7 +376,10 @@ impl Controller {
                     s.decision.saturated = d.saturated;
                 }
             }
-            if apply && old != new {
+            // Forced means a state changed (DOWN, UP, drain, reload): the alternates table must
+            // follow even when the weights did not, e.g. a saturated server (weight 0) going
+            // DOWN must leave it.
+            if apply && (force || old != new) {
                 self.applied.insert(pool.name.clone(), new);
                 changed = true;
             }
@@ -436,7 +439,7 @@ impl Controller {
                 let budget = if held {
                     0
                 } else if stale {
-                    affinity::UNKNOWN_BUDGET
+                    BUDGET_UNKNOWN
                 } else {
                     affinity::budget(false, slots, running, waiting, fresh, pool.spill_waiting)
                 };

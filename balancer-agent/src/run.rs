@@ -44,6 +44,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
 
     let config = Config::load(config_path)?;
+    // Both listeners before the program is attached: a port that is taken must fail the
+    // start, not leave a program attached behind.
+    let metrics = match config.agent.metrics_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("agent.metrics_listen: binding {addr}"))?,
+        ),
+        None => None,
+    };
     let socket_path = config.agent.control_socket.clone();
     let listener = bind_control_socket(&socket_path)?;
     let dp = Dataplane::load(config.agent.flow_table_entries)?;
@@ -67,10 +77,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tokio::spawn(health_loop(ctl.clone())),
         tokio::spawn(serve(listener, ctl.clone())),
     ];
-    if let Some(addr) = config.agent.metrics_listen {
-        let listener = TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("agent.metrics_listen: binding {addr}"))?;
+    if let Some(listener) = metrics {
         tasks.push(tokio::spawn(export(listener, ctl.clone())));
     }
     loop {

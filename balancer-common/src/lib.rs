@@ -107,6 +107,11 @@ pub struct BackendLoad {
     pub _pad: u32,
 }
 
+/// The budget of a backend whose load is unknown (no fresh metrics): it is never past its
+/// threshold, so nothing spills away from it, and never taken as an alternate or a spill
+/// target, since nothing says it has room.
+pub const BUDGET_UNKNOWN: u32 = u32::MAX;
+
 /// Per hint bucket and CPU: hinted SYNs, how many spilled, and which candidate took each.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -189,6 +194,10 @@ pub struct NextHop {
     pub epoch: u32,
     pub dmac: [u8; 6],
     pub smac: [u8; 6],
+    /// The IP length the lookup checked against the egress MTU: a longer packet is looked up
+    /// again, so that one past the MTU goes to the stack, which answers "too big".
+    pub len: u16,
+    pub _pad: u16,
 }
 
 /// A backend as its replies name it: source address and port.
@@ -265,6 +274,10 @@ pub enum Counter {
     PassNoNeigh,
     /// Rewritten, then passed to the stack because the FIB gave no forwarding answer.
     PassFibOther,
+    /// Rewritten, then passed to the stack: longer than the egress MTU, so the stack sends
+    /// the ICMP "too big" (IPv6) or "fragmentation needed" (IPv4) that path-MTU discovery
+    /// needs.
+    PassTooBig,
     /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
     /// device, which XDP cannot transmit on, so the stack forwards it.
     PassVlan,
@@ -307,6 +320,7 @@ impl Counter {
         Counter::Redirect,
         Counter::PassNoNeigh,
         Counter::PassFibOther,
+        Counter::PassTooBig,
         Counter::PassVlan,
         Counter::HintHome,
         Counter::HintWarm,
@@ -340,6 +354,7 @@ impl Counter {
             Counter::Redirect => "xdp_redirect",
             Counter::PassNoNeigh => "pass_no_neigh",
             Counter::PassFibOther => "pass_fib_other",
+            Counter::PassTooBig => "pass_too_big",
             Counter::PassVlan => "pass_vlan",
             Counter::HintHome => "hint_home",
             Counter::HintWarm => "hint_warm",
@@ -380,8 +395,8 @@ mod tests {
         assert_eq!(size_of::<BucketStats>(), 48);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<FlowKey>(), 40);
-        assert_eq!(size_of::<FlowEntry>(), 80);
-        assert_eq!(size_of::<NextHop>(), 20);
+        assert_eq!(size_of::<FlowEntry>(), 88);
+        assert_eq!(size_of::<NextHop>(), 24);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);

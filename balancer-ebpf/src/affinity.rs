@@ -42,7 +42,8 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<u32> {
     }
     let stats = BUCKET_STATS.get_ptr_mut(slot);
     let mut chosen = None;
-    if room(home) > 0 {
+    // A home whose load is unknown keeps its SYNs: nothing says it is full.
+    if room(home).is_none_or(|r| r > 0) {
         chosen = Some(0);
     } else {
         let mut best_room = 0;
@@ -50,7 +51,7 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<u32> {
         while i < candidates.len() {
             let id = candidates[i];
             if id != 0 {
-                let r = room(id);
+                let r = room(id).unwrap_or(0);
                 if r > best_room {
                     best_room = r;
                     chosen = Some(i);

@@ -176,7 +176,7 @@ fn cached_hop(
     ports: (u16, u16),
 ) -> Result<NextHop, Counter> {
     let epoch = (now >> 30) as u32;
-    if cache.ifindex != 0 && cache.epoch == epoch {
+    if cache.ifindex != 0 && cache.epoch == epoch && pkt.len <= cache.len {
         return Ok(*cache);
     }
     let hop = nat::next_hop(ctx, pkt, src, dst, ports);
@@ -258,10 +258,14 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
     if !syn {
         return Ok(id);
     }
-    let mut best = room::room(id);
-    if best > 0 {
-        return Ok(id);
+    // Unknown load: nothing says the pick is full. Alternates need room to be taken at all,
+    // so that when every server is past its threshold the pick (the consistent one) stands.
+    match room::room(id) {
+        None => return Ok(id),
+        Some(r) if r > 0 => return Ok(id),
+        Some(_) => {}
     }
+    let mut best = 0;
     let mut chosen = id;
     let base = vip.vip_id * ALTERNATES_SIZE;
     let mut i = 0;
@@ -269,7 +273,7 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
         if let Some(&alt) = ALTERNATES.get(base + alternates[i]) {
             let alt = alt as u32;
             if alt != 0 && alt != chosen && present(alt).is_some() {
-                let r = room::room(alt);
+                let r = room::room(alt).unwrap_or(0);
                 if r > best {
                     best = r;
                     chosen = alt;

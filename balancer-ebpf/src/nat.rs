@@ -7,7 +7,7 @@ use aya_ebpf::{
     bindings::{
         bpf_fib_lookup as FibParams,
         xdp_action::{XDP_PASS, XDP_TX},
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
     },
     helpers::{bpf_fib_lookup, bpf_redirect},
     programs::XdpContext,
@@ -145,9 +145,13 @@ pub fn next_hop(
             epoch: 0,
             dmac: p.dmac,
             smac: p.smac,
+            len: pkt.len,
+            _pad: 0,
         })
     } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         Err(Counter::PassNoNeigh)
+    } else if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+        Err(Counter::PassTooBig)
     } else {
         Err(Counter::PassFibOther)
     }

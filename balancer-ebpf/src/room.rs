@@ -3,19 +3,25 @@
 //! since, which every CPU counts in shared counters. Both the hint spill and the Maglev
 //! second draw decide on it, so the picture is never older than the last packet.
 
+use balancer_common::BUDGET_UNKNOWN;
+
 use crate::maps::{CLOSES, LOAD, OPENS};
 
 /// New connections `id` may still take before it is past its threshold (<= 0: past it):
-/// the agent's budget, less what opened since, plus what closed since.
+/// the agent's budget, less what opened since, plus what closed since. None when its load is
+/// unknown (`BUDGET_UNKNOWN`).
 #[inline(always)]
-pub fn room(id: u32) -> i64 {
+pub fn room(id: u32) -> Option<i64> {
     let (Some(load), Some(opens), Some(closes)) = (LOAD.get(id), OPENS.get(id), CLOSES.get(id))
     else {
-        return 0;
+        return Some(0);
     };
+    if load.budget == BUDGET_UNKNOWN {
+        return None;
+    }
     let opened = opens.wrapping_sub(load.opened_base) as i64;
     let closed = closes.wrapping_sub(load.closed_base) as i64;
-    i64::from(load.budget) - opened + closed
+    Some(i64::from(load.budget) - opened + closed)
 }
 
 /// Counts a new connection to `id` where every CPU's spill decisions see it.

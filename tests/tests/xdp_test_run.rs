@@ -123,6 +123,8 @@ struct Frame {
     dport: u16,
     ttl: u8,
     flags: &'static str,
+    /// Bytes of payload beyond the small one a 'P' frame carries.
+    bulk: usize,
 }
 
 /// A SYN from the client to `dst:8000`, as it arrives on g0.
@@ -137,6 +139,7 @@ fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
         dport: 8000,
         ttl: 64,
         flags: "S",
+        bulk: 0,
     }
 }
 
@@ -177,13 +180,14 @@ impl Frame {
         let tcp = tcp
             .options(&[TcpOptionElement::MaximumSegmentSize(1460)])
             .unwrap();
-        let payload: &[u8] = if self.flags.contains('P') {
-            b"data: {\"x\":1}\n\n"
+        let mut payload: Vec<u8> = if self.flags.contains('P') {
+            b"data: {\"x\":1}\n\n".to_vec()
         } else {
-            b""
+            Vec::new()
         };
+        payload.resize(payload.len() + self.bulk, b'x');
         let mut out = Vec::new();
-        tcp.write(&mut out, payload).unwrap();
+        tcp.write(&mut out, &payload).unwrap();
         out
     }
 
@@ -350,6 +354,7 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         dport: 40001,
         ttl: 64,
         flags: "SA",
+        bulk: 0,
     };
     // What the client receives: the reply comes from the VIP.
     let to_client = |f: &Frame| {
@@ -832,13 +837,23 @@ fn alternates_when_the_pick_has_no_room(
         Ok::<_, anyhow::Error>(())
     };
     // (budget of the pick, of alternate a, of alternate b, flags) -> expected server.
-    let cases: [(u32, u32, u32, &str, char, &str); 6] = [
+    let unknown = balancer_common::BUDGET_UNKNOWN;
+    let cases: [(u32, u32, u32, &str, char, &str); 8] = [
         (1, 5, 9, "S", 'p', "room at the pick"),
         (0, 2, 5, "S", 'b', "no room at the pick, most at b"),
         (0, 5, 2, "S", 'a', "no room at the pick, most at a"),
         (0, 3, 3, "S", 'a', "a tie between the alternates: the first"),
         (0, 0, 0, "S", 'p', "no more room at the alternates"),
         (0, 5, 5, "A", 'p', "mid-stream keeps the pick"),
+        (
+            unknown,
+            5,
+            5,
+            "S",
+            'p',
+            "unknown load at the pick: it stands",
+        ),
+        (0, unknown, 3, "S", 'b', "unknown load at a: never taken"),
     ];
     let mut from = 46000;
     for (bp, ba, bb, flags, expect, what) in cases {
@@ -993,7 +1008,42 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
         "{fam}: not refreshed: {:?}",
         e.to_backend
     );
-    Ok(())
+    // A packet longer than any the cached answer was checked for is looked up again: past
+    // the egress MTU it goes to the stack, rewritten, for the ICMP "too big"; a small one
+    // after it takes the fast path again. (1300: IPv6 needs at least 1280 on the link.)
+    let mtu = |m: &str| -> Result<()> {
+        let status = std::process::Command::new("ip")
+            .args(["link", "set", "g1", "mtu", m])
+            .status()?;
+        ensure!(status.success(), "ip link set g1 mtu {m}: {status}");
+        Ok(())
+    };
+    mtu("1300")?;
+    let big = ack.with(|f| {
+        f.flags = "PA";
+        f.bulk = 1400;
+    });
+    let result = h
+        .expect(
+            &format!("{fam} data past the egress MTU"),
+            h.g0,
+            &big.bytes(),
+            XDP_PASS,
+            &big.with(|f| f.dst = n.backend).bytes(),
+            Counter::PassTooBig,
+        )
+        .and_then(|()| {
+            h.expect(
+                &format!("{fam} small data after it"),
+                h.g0,
+                &ack.bytes(),
+                XDP_REDIRECT,
+                &out(&ack, MAC_BACKEND).bytes(),
+                Counter::Redirect,
+            )
+        });
+    mtu("1500")?;
+    result
 }
 
 /// Everything that is not plainly ours passes, byte for byte, with its reason counted.
