@@ -432,7 +432,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         figures.insert(format!("{key}.not_ours.repeat_ns"), Some(not_ours_n));
     }
     let mut out = format!(
-        "Packet cost under BPF_PROG_TEST_RUN: {} other flows in the table; each figure is the mean of {} runs of one packet each (distinct flows), as the kernel timed them. The packets go in passes over chunks of {CHUNK} flows (first packets; first replies and a first client packet of the established size; then one more packet each way), so that a flow's entry has left the nearer CPU caches since its previous packet while the next hop its first packet each way cached is still fresh: the established and reply figures are a flow's second packet in that direction, as in a stream.\n\n",
+        "Packet cost under BPF_PROG_TEST_RUN: {} other flows in the table; each figure is the mean of {} runs of one packet each (distinct flows), as the kernel timed them. The packets go in passes over chunks of {CHUNK} flows (first packets; first replies and a first client packet of the established size; then one more packet each way), so that a flow's entry has left the nearer CPU caches since its previous packet while the next hop its previous packet of that size and direction cached is still fresh, as in a stream.\n\n",
         plan.flows, plan.packets
     );
     out += "| family | path | ns/packet | x floor | goal |\n|---|---|---:|---:|---|\n";
