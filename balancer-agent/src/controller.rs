@@ -71,6 +71,26 @@ impl Server {
             State::Up
         }
     }
+
+    /// No good scrape within `stale_after` of `now`: its last numbers say nothing any more.
+    fn stale(&self, now: Instant, stale_after: Duration) -> bool {
+        self.reading_at
+            .is_none_or(|t| now.duration_since(t) > stale_after)
+    }
+
+    /// Connections the program opened to it since the last good scrape, less those closed:
+    /// load that scrape could not see.
+    fn fresh_flows(&self) -> u64 {
+        let opened = self
+            .now
+            .flows_opened
+            .saturating_sub(self.at_scrape.flows_opened);
+        let closed = self
+            .now
+            .flows_closed
+            .saturating_sub(self.at_scrape.flows_closed);
+        opened.saturating_sub(closed)
+    }
 }
 
 /// What a scrape task needs to know about one server.
@@ -337,8 +357,6 @@ impl Controller {
                 .zip(&keys)
                 .map(|(cfg, key)| {
                     let s = &self.servers[key];
-                    let opened = s.now.flows_opened.saturating_sub(s.at_scrape.flows_opened);
-                    let closed = s.now.flows_closed.saturating_sub(s.at_scrape.flows_closed);
                     ServerView {
                         state: s.state(),
                         configured: cfg.weight,
@@ -346,10 +364,8 @@ impl Controller {
                         waiting: s.reading.as_ref().map(|r| r.waiting),
                         kv_usage: s.reading.as_ref().and_then(|r| r.kv_usage),
                         ttft_ms: s.ttft_ms,
-                        stale: s
-                            .reading_at
-                            .is_none_or(|t| now.duration_since(t) > stale_after),
-                        fresh_flows: opened.saturating_sub(closed),
+                        stale: s.stale(now, stale_after),
+                        fresh_flows: s.fresh_flows(),
                     }
                 })
                 .collect();
@@ -430,15 +446,10 @@ impl Controller {
                 let running = s.reading.as_ref().map_or(0.0, |r| r.running);
                 let waiting = s.reading.as_ref().map_or(0.0, |r| r.waiting);
                 let slots = pool.slots.unwrap_or(s.max_running.max(1.0) as u32);
-                let opened = s.now.flows_opened.saturating_sub(s.at_scrape.flows_opened);
-                let closed = s.now.flows_closed.saturating_sub(s.at_scrape.flows_closed);
-                let fresh = opened.saturating_sub(closed);
-                let stale = s
-                    .reading_at
-                    .is_none_or(|t| now.duration_since(t) > stale_after);
+                let fresh = s.fresh_flows();
                 let budget = if held {
                     0
-                } else if stale {
+                } else if s.stale(now, stale_after) {
                     BUDGET_UNKNOWN
                 } else {
                     affinity::budget(false, slots, running, waiting, fresh, pool.spill_waiting)
@@ -568,8 +579,7 @@ impl Controller {
                 None => s.max_running > 0.0 && r.running >= s.max_running,
             };
             let queued = s.scrape_error.is_none()
-                && s.reading_at
-                    .is_some_and(|t| now.duration_since(t) <= stale_after)
+                && !s.stale(now, stale_after)
                 && s.reading
                     .as_ref()
                     .is_some_and(|r| r.waiting >= f64::from(spill_waiting) || full(r));

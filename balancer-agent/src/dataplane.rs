@@ -465,8 +465,8 @@ fn bucket_slot(vip_id: u32, bucket: u16) -> u32 {
     vip_id * u32::from(MAX_HINT_BUCKETS) + u32::from(bucket)
 }
 
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`: what flow entries' times are in.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

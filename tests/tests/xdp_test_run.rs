@@ -918,15 +918,9 @@ fn alternates_when_the_pick_has_no_room(
     Ok(())
 }
 
-/// CLOCK_MONOTONIC >> 30: the epoch a cached next hop is good for.
+/// The epoch a cached next hop is good for: the program's clock >> 30.
 fn epoch() -> u32 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ((ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64) >> 30) as u32
+    (balancer_agent::dataplane::monotonic_ns() >> 30) as u32
 }
 
 /// The FIB answer is kept in the flow entry, per direction: a packet of the same epoch uses
