@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use balancer_common::{
     hint::{fnv1a64, HintRange, BUCKET_CANDIDATES},
-    Bucket, BucketStats, BUDGET_UNKNOWN,
+    Bucket, BucketStats,
 };
 
 /// A server that may be a bucket's home: UP, not draining, configured weight > 0.
@@ -46,7 +46,9 @@ fn score(bucket: u16, m: &Member) -> f64 {
 
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
-/// since the scrape. Zero when the server is saturated.
+/// since the scrape. Negative when more than that already wait: by how many, so that the
+/// program can still tell the least loaded of servers that are all past the threshold. At
+/// most zero when the server is saturated (or recovering from it) for another reason.
 pub fn budget(
     saturated: bool,
     slots: u32,
@@ -54,12 +56,17 @@ pub fn budget(
     waiting: f64,
     fresh: u64,
     spill_waiting: u32,
-) -> u32 {
-    if saturated {
-        return 0;
-    }
+) -> i32 {
     let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting - fresh as f64;
-    room.clamp(0.0, f64::from(u32::MAX)) as u32
+    // BUDGET_UNKNOWN is i32::MIN: a real budget never reaches it.
+    let room = room
+        .floor()
+        .clamp(f64::from(i32::MIN + 1), f64::from(i32::MAX)) as i32;
+    if saturated {
+        room.min(0)
+    } else {
+        room
+    }
 }
 
 /// What a bucket's spill decision needs to know about a server.
@@ -67,7 +74,8 @@ pub fn budget(
 pub struct Load {
     pub id: u32,
     pub saturated: bool,
-    pub budget: u32,
+    /// None when the server's load is unknown (stale metrics).
+    pub budget: Option<i32>,
     pub running: Option<f64>,
     pub waiting: Option<f64>,
     pub ttft_ms: Option<f64>,
@@ -221,11 +229,9 @@ impl PoolAffinity {
             let active = state
                 .last_hinted
                 .is_some_and(|t| now.duration_since(t) < idle);
-            let home_full = load(home).is_none_or(|l| l.budget == 0);
-            let warm_room = state
-                .warm
-                .iter()
-                .any(|w| load(w.id).is_some_and(|l| l.budget > 0));
+            let has_room = |l: &Load| l.budget.is_some_and(|b| b > 0);
+            let home_full = load(home).is_none_or(|l| l.budget.is_some_and(|b| b <= 0));
+            let warm_room = state.warm.iter().any(|w| load(w.id).is_some_and(has_room));
             if home != 0
                 && active
                 && home_full
@@ -237,12 +243,7 @@ impl PoolAffinity {
                     .collect();
                 let best = loads
                     .iter()
-                    .filter(|l| {
-                        eligible(l.id)
-                            && !taken.contains(&l.id)
-                            && l.budget > 0
-                            && l.budget != BUDGET_UNKNOWN
-                    })
+                    .filter(|l| eligible(l.id) && !taken.contains(&l.id) && has_room(l))
                     .min_by(|a, b| {
                         let queued = |l: &Load| l.waiting.unwrap_or(0.0) > 0.0;
                         queued(a)
@@ -296,11 +297,11 @@ mod tests {
             .collect()
     }
 
-    fn load(id: u32, budget: u32, waiting: f64, ttft: f64) -> Load {
+    fn load(id: u32, budget: i32, waiting: f64, ttft: f64) -> Load {
         Load {
             id,
-            saturated: budget == 0,
-            budget,
+            saturated: budget <= 0,
+            budget: Some(budget),
             running: Some(1.0),
             waiting: Some(waiting),
             ttft_ms: Some(ttft),
@@ -354,8 +355,19 @@ mod tests {
             2,
             "spill_waiting 3 allows two queued"
         );
-        assert_eq!(budget(false, 8, 8.0, 5.0, 0, 3), 0);
-        assert_eq!(budget(true, 8, 0.0, 0.0, 0, 1), 0);
+        assert_eq!(
+            budget(false, 8, 8.0, 5.0, 0, 3),
+            -3,
+            "past the threshold by three"
+        );
+        assert_eq!(budget(false, 8, 6.5, 0.0, 0, 1), 1, "a half is not a slot");
+        assert_eq!(
+            budget(true, 8, 0.0, 0.0, 0, 1),
+            0,
+            "saturated by TTFT or KV"
+        );
+        assert_eq!(budget(true, 8, 8.0, 4.0, 1, 1), -5, "saturated and queued");
+        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), i32::MIN + 1);
     }
 
     fn stats(hinted: u64, spilled: u64, picks: [u64; 4]) -> BucketStats {

@@ -447,14 +447,13 @@ impl Controller {
                 let waiting = s.reading.as_ref().map_or(0.0, |r| r.waiting);
                 let slots = pool.slots.unwrap_or(s.max_running.max(1.0) as u32);
                 let fresh = s.fresh_flows();
-                let budget = if held {
-                    0
-                } else if s.stale(now, stale_after) {
-                    BUDGET_UNKNOWN
+                let budget = if !held && s.stale(now, stale_after) {
+                    None
                 } else {
-                    affinity::budget(false, slots, running, waiting, fresh, pool.spill_waiting)
+                    let b = pool.spill_waiting;
+                    Some(affinity::budget(held, slots, running, waiting, fresh, b))
                 };
-                if let Err(e) = self.dp.set_budget(s.id, budget) {
+                if let Err(e) = self.dp.set_budget(s.id, budget.unwrap_or(BUDGET_UNKNOWN)) {
                     warn!("writing a spill budget failed: {e:#}");
                 }
                 let why = if saturated {

@@ -408,7 +408,7 @@ impl Dataplane {
     /// Three stores, not one atomic update: a SYN on another CPU in between sees an old
     /// budget with a new base or the reverse, a room off by the few connections of the last
     /// fold interval, once.
-    pub fn set_budget(&mut self, id: u32, budget: u32) -> Result<()> {
+    pub fn set_budget(&mut self, id: u32, budget: i32) -> Result<()> {
         let i = id as usize;
         let (opens, closes) = (self.opens.shared(), self.closes.shared());
         let (Some(opened), Some(closed)) = (opens.get(i), closes.get(i)) else {
@@ -418,7 +418,7 @@ impl Dataplane {
         load[0].store(opened.load(Ordering::Relaxed), Ordering::Relaxed);
         load[1].store(closed.load(Ordering::Relaxed), Ordering::Relaxed);
         // `budget` and `_pad` share the third slot, budget in the low half (little-endian).
-        load[2].store(u64::from(budget), Ordering::Relaxed);
+        load[2].store(u64::from(budget as u32), Ordering::Relaxed);
         Ok(())
     }
 

@@ -97,20 +97,22 @@ pub struct Bucket {
 /// How many more new connections a backend may take before it counts as past its spill
 /// threshold: the agent writes `budget` together with the values of `OPENS[id]` and
 /// `CLOSES[id]` at that moment, and the program compares the connections opened and not
-/// closed since with the budget.
+/// closed since with the budget. Negative: past the threshold by that many requests
+/// (queued beyond it), so that among servers that are all past it the least loaded still
+/// shows.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct BackendLoad {
     pub opened_base: u64,
     pub closed_base: u64,
-    pub budget: u32,
+    pub budget: i32,
     pub _pad: u32,
 }
 
 /// The budget of a backend whose load is unknown (no fresh metrics): it is never past its
 /// threshold, so nothing spills away from it, and never taken as an alternate or a spill
 /// target, since nothing says it has room.
-pub const BUDGET_UNKNOWN: u32 = u32::MAX;
+pub const BUDGET_UNKNOWN: i32 = i32::MIN;
 
 /// Per hint bucket and CPU: hinted SYNs, how many spilled, and which candidate took each.
 #[repr(C)]

@@ -243,11 +243,12 @@ fn new_flow(
 
 /// The weighted pick for a flow without a usable hint. A SYN whose pick has no room looks
 /// at two alternates of the VIP (servers that may take connections, by configured weight)
-/// and takes the one with the most room, if it has more: choices on the program's own
-/// counts keep a burst from piling onto whichever server the weights favoured at the last
-/// scrape. Anything else keeps the pick, the one every gateway and every restart agree on,
-/// and so does a SYN while its pick has room: a flow whose entry is lost most likely finds
-/// its backend again.
+/// and takes the one with the most room, if it has more than the pick: choices on the
+/// program's own counts keep a burst from piling onto whichever server the weights favoured
+/// at the last scrape, and when every server is past its threshold they still join the
+/// shortest of three queues. Anything else keeps the pick, the one every gateway and every
+/// restart agree on, and so does a SYN while its pick has room: a flow whose entry is lost
+/// most likely finds its backend again.
 #[inline(always)]
 fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
     let (slot, alternates) = draws(key);
@@ -258,14 +259,12 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
     if !syn {
         return Ok(id);
     }
-    // Unknown load: nothing says the pick is full. Alternates need room to be taken at all,
-    // so that when every server is past its threshold the pick (the consistent one) stands.
-    match room::room(id) {
+    // Unknown load: nothing says the pick is full, nor that an alternate has room.
+    let mut best = match room::room(id) {
         None => return Ok(id),
         Some(r) if r > 0 => return Ok(id),
-        Some(_) => {}
-    }
-    let mut best = 0;
+        Some(r) => r,
+    };
     let mut chosen = id;
     let base = vip.vip_id * ALTERNATES_SIZE;
     let mut i = 0;
@@ -273,8 +272,7 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
         if let Some(&alt) = ALTERNATES.get(base + alternates[i]) {
             let alt = alt as u32;
             if alt != 0 && alt != chosen && present(alt).is_some() {
-                let r = room::room(alt).unwrap_or(0);
-                if r > best {
+                if let Some(r) = room::room(alt).filter(|r| *r > best) {
                     best = r;
                     chosen = alt;
                 }

@@ -7,9 +7,9 @@ use balancer_common::BUDGET_UNKNOWN;
 
 use crate::maps::{CLOSES, LOAD, OPENS};
 
-/// New connections `id` may still take before it is past its threshold (<= 0: past it):
-/// the agent's budget, less what opened since, plus what closed since. None when its load is
-/// unknown (`BUDGET_UNKNOWN`).
+/// New connections `id` may still take before it is past its threshold (<= 0: past it, by
+/// as many requests as it is below zero): the agent's budget, less what opened since, plus
+/// what closed since. None when its load is unknown (`BUDGET_UNKNOWN`).
 #[inline(always)]
 pub fn room(id: u32) -> Option<i64> {
     let (Some(load), Some(opens), Some(closes)) = (LOAD.get(id), OPENS.get(id), CLOSES.get(id))

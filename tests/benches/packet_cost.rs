@@ -204,7 +204,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
                 },
             )?;
         }
-        dp.set_budget(home, u32::MAX)?;
+        dp.set_budget(home, i32::MAX)?;
     }
     let (g0, g1) = (ifindex("g0")?, ifindex("g1")?);
 

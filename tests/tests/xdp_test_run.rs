@@ -786,7 +786,7 @@ fn alternates_when_the_pick_has_no_room(
     };
     let plain = Ids::default().plan(config, &Weights::new(), std::time::Instant::now())?;
     let vip = multi(&plain)?;
-    let budgets = |h: &mut Harness, b: [u32; 4]| -> Result<()> {
+    let budgets = |h: &mut Harness, b: [i32; 4]| -> Result<()> {
         for (server, budget) in n.multi.iter().zip(b) {
             h.dp.set_budget(id(*server), budget)?;
         }
@@ -838,12 +838,22 @@ fn alternates_when_the_pick_has_no_room(
     };
     // (budget of the pick, of alternate a, of alternate b, flags) -> expected server.
     let unknown = balancer_common::BUDGET_UNKNOWN;
-    let cases: [(u32, u32, u32, &str, char, &str); 8] = [
+    let cases: [(i32, i32, i32, &str, char, &str); 12] = [
         (1, 5, 9, "S", 'p', "room at the pick"),
         (0, 2, 5, "S", 'b', "no room at the pick, most at b"),
         (0, 5, 2, "S", 'a', "no room at the pick, most at a"),
         (0, 3, 3, "S", 'a', "a tie between the alternates: the first"),
         (0, 0, 0, "S", 'p', "no more room at the alternates"),
+        (-4, -1, -2, "S", 'a', "all past the threshold, a least"),
+        (-4, -3, -1, "S", 'b', "all past the threshold, b least"),
+        (
+            -1,
+            -2,
+            -3,
+            "S",
+            'p',
+            "all past the threshold, the pick least",
+        ),
         (0, 5, 5, "A", 'p', "mid-stream keeps the pick"),
         (
             unknown,
@@ -854,6 +864,14 @@ fn alternates_when_the_pick_has_no_room(
             "unknown load at the pick: it stands",
         ),
         (0, unknown, 3, "S", 'b', "unknown load at a: never taken"),
+        (
+            -5,
+            unknown,
+            -6,
+            "S",
+            'p',
+            "unknown load at a, b more loaded",
+        ),
     ];
     let mut from = 46000;
     for (bp, ba, bb, flags, expect, what) in cases {
