@@ -9,6 +9,8 @@ use balancer_common::{
     Bucket, BucketStats,
 };
 
+use crate::homes::{self, Move, Popularity};
+
 /// A server that may be a bucket's home: UP, not draining, configured weight > 0.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Member {
@@ -23,12 +25,19 @@ pub struct Member {
 /// takes only the buckets it now wins. Scores are `-weight / ln(u)` with `u` uniform in
 /// (0, 1), which makes a server's share proportional to its weight.
 pub fn home(bucket: u16, members: &[Member]) -> Option<u32> {
-    members
+    ranking(bucket, members).first().copied()
+}
+
+/// Every eligible server in the bucket's rendezvous order, the home first: where the bucket
+/// goes when the servers before it are taken (see `homes`).
+pub fn ranking(bucket: u16, members: &[Member]) -> Vec<u32> {
+    let mut scored: Vec<(f64, u32)> = members
         .iter()
         .filter(|m| m.weight > 0)
         .map(|m| (score(bucket, m), m.id))
-        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
-        .map(|(_, id)| id)
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    scored.into_iter().map(|(_, id)| id).collect()
 }
 
 fn score(bucket: u16, m: &Member) -> f64 {
@@ -124,6 +133,21 @@ pub struct PoolAffinity {
     buckets: Vec<BucketState>,
     homes: Vec<u32>,
     members: Vec<Member>,
+    /// Every bucket's servers in rendezvous order, for these members.
+    rankings: Vec<Vec<u32>>,
+    popularity: Popularity,
+}
+
+/// A bucket in use, for the operator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Active {
+    pub bucket: u16,
+    /// Hinted connections, decayed over minutes (see `homes`).
+    pub hinted: f64,
+    pub home: u32,
+    /// The home rendezvous hashing alone gives, which load balancing may have moved.
+    pub rendezvous: u32,
+    pub warm: Vec<u32>,
 }
 
 /// What changed in one update.
@@ -135,6 +159,8 @@ pub struct Update {
     pub spills: Vec<Spill>,
     /// Hinted connections that spilled since the last update.
     pub spilled: Vec<Spilled>,
+    /// Homes moved to balance the hinted load.
+    pub moves: Vec<Move>,
 }
 
 /// How many hinted connections of a bucket spilled since the last update, and where to.
@@ -156,6 +182,8 @@ impl PoolAffinity {
             buckets: vec![BucketState::default(); usize::from(range.buckets)],
             homes: Vec::new(),
             members: Vec::new(),
+            rankings: Vec::new(),
+            popularity: Popularity::new(range.buckets),
         }
     }
 
@@ -164,9 +192,33 @@ impl PoolAffinity {
         &self.homes
     }
 
+    /// The buckets that carried hinted connections lately or have warm alternates, most
+    /// popular first.
+    pub fn active(&self) -> Vec<Active> {
+        let counts = self.popularity.counts();
+        let mut active: Vec<Active> = (self.buckets.iter().enumerate())
+            .filter(|(b, s)| counts[*b] >= homes::QUIET || !s.warm.is_empty())
+            .map(|(b, s)| Active {
+                bucket: b as u16,
+                hinted: counts[b],
+                home: self.homes.get(b).copied().unwrap_or(0),
+                rendezvous: self
+                    .rankings
+                    .get(b)
+                    .and_then(|r| r.first())
+                    .copied()
+                    .unwrap_or(0),
+                warm: s.warm.iter().map(|w| w.id).collect(),
+            })
+            .collect();
+        active.sort_by(|a, b| b.hinted.total_cmp(&a.hinted).then(a.bucket.cmp(&b.bucket)));
+        active
+    }
+
     /// One round: new bucket statistics and server loads in, candidates to write out.
     /// A bucket is active while hinted connections arrived within `idle`; an alternate
-    /// nobody used for `idle` is dropped.
+    /// nobody used for `idle` is dropped. Homes are balanced within `home_bound` (0: plain
+    /// rendezvous homes).
     pub fn update(
         &mut self,
         now: Instant,
@@ -174,16 +226,35 @@ impl PoolAffinity {
         loads: &[Load],
         stats: &[BucketStats],
         idle: Duration,
+        home_bound: f64,
     ) -> Update {
-        if self.members != members || self.homes.is_empty() {
+        if self.members != members || self.rankings.is_empty() {
             self.members = members.to_vec();
-            self.homes = (0..self.range.buckets)
-                .map(|b| home(b, members).unwrap_or(0))
+            self.rankings = (0..self.range.buckets)
+                .map(|b| ranking(b, members))
                 .collect();
         }
+        let hinted = |b: usize| stats.get(b).map_or(0, |s| s.hinted);
+        self.popularity.add(
+            now,
+            (self.buckets.iter().enumerate()).map(|(b, s)| hinted(b).saturating_sub(s.seen.hinted)),
+        );
+        let counts = self.popularity.counts();
+        let homes = homes::place(&self.rankings, members, counts, &self.homes, home_bound);
+        let mut out = Update {
+            moves: homes::moves(&self.homes, &homes, members, counts),
+            ..Update::default()
+        };
+        for m in &out.moves {
+            // The old home still holds the prefix: the first choice for a spill.
+            let former = &mut self.buckets[usize::from(m.bucket)].former;
+            former.retain(|id| *id != m.from);
+            former.insert(0, m.from);
+            former.truncate(BUCKET_CANDIDATES);
+        }
+        self.homes = homes;
         let load = |id: u32| loads.iter().find(|l| l.id == id);
         let eligible = |id: u32| members.iter().any(|m| m.id == id && m.weight > 0);
-        let mut out = Update::default();
         for (b, state) in self.buckets.iter_mut().enumerate() {
             let bucket = b as u16;
             let home = self.homes[b];
@@ -394,7 +465,7 @@ mod tests {
             load(3, 5, 0.0, 180.0),
             load(4, 6, 0.0, 300.0),
         ];
-        let first = a.update(t0, &m, &healthy, &s, idle);
+        let first = a.update(t0, &m, &healthy, &s, idle, 1.25);
         assert_eq!(
             first.write.len(),
             256,
@@ -409,7 +480,7 @@ mod tests {
             load(3, 5, 0.0, 180.0),
             load(4, 0, 2.0, 300.0),
         ];
-        let u = a.update(t0 + Duration::from_secs(1), &m, &busy, &s, idle);
+        let u = a.update(t0 + Duration::from_secs(1), &m, &busy, &s, idle, 1.25);
         assert_eq!(
             u.spills,
             vec![Spill {
@@ -422,7 +493,7 @@ mod tests {
         assert_eq!(u.write, vec![(b, Bucket { ids: [2, 3, 0, 0] })]);
         // Home and one alternate both hold the prefix now; nothing changes while it serves.
         s[b as usize] = stats(3, 2, [1, 2, 0, 0]);
-        let u = a.update(t0 + Duration::from_secs(2), &m, &busy, &s, idle);
+        let u = a.update(t0 + Duration::from_secs(2), &m, &busy, &s, idle, 1.25);
         assert!(u.write.is_empty() && u.spills.is_empty());
         assert_eq!(
             u.spilled,
@@ -437,9 +508,9 @@ mod tests {
         // The home recovers: it takes the bucket back, the alternate stays warm a while,
         // then goes.
         s[b as usize] = stats(6, 2, [4, 2, 0, 0]);
-        let u = a.update(t0 + Duration::from_secs(3), &m, &healthy, &s, idle);
+        let u = a.update(t0 + Duration::from_secs(3), &m, &healthy, &s, idle, 1.25);
         assert!(u.write.is_empty());
-        let u = a.update(t0 + Duration::from_secs(70), &m, &healthy, &s, idle);
+        let u = a.update(t0 + Duration::from_secs(70), &m, &healthy, &s, idle, 1.25);
         assert_eq!(u.write, vec![(b, Bucket { ids: [2, 0, 0, 0] })]);
     }
 
@@ -454,6 +525,56 @@ mod tests {
         assert!(ttft_rank(&idle) < ttft_rank(&known));
     }
 
+    /// Four popular buckets share a rendezvous home: once enough connections are counted,
+    /// some move, the moves are reported and written, the old home is the first spill
+    /// choice, and the operator's view names where each came from.
+    #[test]
+    fn popular_buckets_on_one_home_are_spread() {
+        let m = members(4);
+        let mut a = PoolAffinity::new(HintRange::DEFAULT);
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(60);
+        let on_one: Vec<usize> = (0..256)
+            .filter(|b| home(*b as u16, &m) == Some(1))
+            .collect();
+        let healthy: Vec<Load> = (1..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
+        let mut s = vec![BucketStats::default(); 256];
+        a.update(t0, &m, &healthy, &s, idle, 1.25);
+        for (b, n) in on_one.iter().zip([40, 30, 20, 10]) {
+            s[*b] = stats(n, 0, [n, 0, 0, 0]);
+        }
+        let u = a.update(t0 + Duration::from_secs(1), &m, &healthy, &s, idle, 1.25);
+        let moved: Vec<u16> = u.moves.iter().map(|mv| mv.bucket).collect();
+        assert!(
+            !moved.is_empty()
+                && moved
+                    .iter()
+                    .all(|b| on_one[1..4].contains(&usize::from(*b)))
+        );
+        for mv in &u.moves {
+            assert_eq!(mv.from, 1);
+            let written = u.write.iter().find(|(b, _)| *b == mv.bucket).unwrap().1;
+            assert_eq!(written.ids[0], mv.to);
+            assert_eq!(a.buckets[usize::from(mv.bucket)].former, vec![1]);
+        }
+        let active = a.active();
+        assert_eq!(active.len(), 4);
+        assert_eq!((active[0].bucket, active[0].home), (on_one[0] as u16, 1));
+        assert!(active.iter().all(|x| x.rendezvous == 1));
+        assert_eq!(active.iter().filter(|x| x.home != 1).count(), moved.len());
+        // Nothing new: the homes stand.
+        let u = a.update(t0 + Duration::from_secs(2), &m, &healthy, &s, idle, 1.25);
+        assert!(u.moves.is_empty() && u.write.is_empty());
+        // Balancing off: back to the rendezvous homes.
+        let u = a.update(t0 + Duration::from_secs(3), &m, &healthy, &s, idle, 0.0);
+        assert_eq!(u.write.len(), moved.len());
+        assert!(a
+            .homes()
+            .iter()
+            .enumerate()
+            .all(|(b, h)| home(b as u16, &m) == Some(*h)));
+    }
+
     #[test]
     fn quiet_buckets_and_ineligible_servers_get_no_alternates() {
         let m = members(3);
@@ -466,13 +587,13 @@ mod tests {
             load(2, 0, 1.0, 0.0),
             load(3, 0, 1.0, 0.0),
         ];
-        a.update(t0, &m, &all_full, &s, idle);
+        a.update(t0, &m, &all_full, &s, idle, 1.25);
         // No hinted traffic: nothing to spill, however full the homes.
-        let u = a.update(t0, &m, &all_full, &s, idle);
+        let u = a.update(t0, &m, &all_full, &s, idle, 1.25);
         assert!(u.spills.is_empty());
         // Active, but every other server is full too: the program falls back to Maglev.
         s[0] = stats(1, 1, [0, 0, 0, 0]);
-        let u = a.update(t0, &m, &all_full, &s, idle);
+        let u = a.update(t0, &m, &all_full, &s, idle, 1.25);
         assert!(u.spills.is_empty());
         assert_eq!(u.spilled.len(), 1);
         // A drained server (not a member) is never an alternate, and loses its homes.
@@ -482,7 +603,7 @@ mod tests {
             .iter()
             .map(|id| load(*id, if *id == home0 { 9 } else { 0 }, 0.0, 0.0))
             .collect();
-        let u = a.update(t0, &rest, &open, &s, idle);
+        let u = a.update(t0, &rest, &open, &s, idle, 1.25);
         assert!(u.spills.iter().all(|s| s.to != home0));
         assert!(a.homes().iter().all(|h| *h != home0));
     }

@@ -105,6 +105,11 @@ pub struct Pool {
     /// running count seen when absent.
     #[serde(default)]
     pub slots: Option<u32>,
+    /// How far above its weighted share of the hinted connections a server may be home for
+    /// popular buckets before some move to the next server of their rendezvous order
+    /// (docs/affinity.md); 0 keeps the plain rendezvous homes.
+    #[serde(default = "default_home_load_bound")]
+    pub home_load_bound: f64,
     #[serde(default)]
     pub server: Vec<Server>,
 }
@@ -193,6 +198,9 @@ fn default_kv_high() -> f64 {
 }
 fn default_hint_ports() -> String {
     "16384-32767".into()
+}
+fn default_home_load_bound() -> f64 {
+    1.25
 }
 fn default_hint_buckets() -> u16 {
     DEFAULT_HINT_BUCKETS
@@ -380,6 +388,10 @@ impl Config {
                 return Err((at("model"), "must not be empty".into()));
             }
             parse_hint_range(&p.hint_ports, p.hint_buckets).map_err(|e| (at("hint_ports"), e))?;
+            let bound = p.home_load_bound;
+            if bound != 0.0 && !(1.0..=100.0).contains(&bound) {
+                return Err((at("home_load_bound"), "must be 0 (off) or 1-100".into()));
+            }
             if p.slots.is_some_and(|n| !(1..=1_000_000).contains(&n)) {
                 return Err((at("slots"), "must be 1-1000000".into()));
             }
@@ -657,6 +669,8 @@ metrics_port = 8001
             ("hint_buckets = 5000", "maximum of 1024"),
             ("hint_ports = \"0-100\"\nhint_buckets = 4", "port 0"),
             ("slots = 0", "pool[0].slots"),
+            ("home_load_bound = 0.9", "pool[0].home_load_bound"),
+            ("home_load_bound = nan", "pool[0].home_load_bound"),
         ] {
             let err = parse(&with(extra)).expect_err(extra);
             assert!(

@@ -31,6 +31,10 @@ pub enum Request {
         server: String,
     },
     Counters,
+    /// The pool's hint buckets in use.
+    Buckets {
+        pool: String,
+    },
     /// The pool's hint port range, for clients that ask the agent.
     Hint {
         pool: String,
@@ -44,6 +48,7 @@ pub enum Response {
     Done { message: String },
     DrainStatus(DrainStatus),
     Counters { counters: Vec<(String, u64)> },
+    Buckets(BucketsView),
     Hint { start: u16, span: u16, buckets: u16 },
     Error { message: String },
 }
@@ -78,6 +83,26 @@ pub struct ServerRow {
     pub metrics_age_ms: Option<u64>,
     pub scrape_error: Option<String>,
     pub health: String,
+}
+
+/// A pool's hint buckets that carried connections lately, most popular first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketsView {
+    pub pool: String,
+    pub buckets: Vec<BucketRow>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketRow {
+    pub bucket: u16,
+    /// Hinted connections, older ones decayed (by e after two minutes).
+    pub hinted: f64,
+    /// Where the bucket's connections go while it has room.
+    pub home: String,
+    /// The home by rendezvous hashing alone, before balancing moved it.
+    pub rendezvous_home: String,
+    /// Servers it spills to, most recent last.
+    pub warm: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -142,11 +167,45 @@ pub fn render(view: &PoolView) -> String {
             format!("{:.1}", s.new_per_s),
         ]);
     }
-    let widths: Vec<usize> = (0..9)
+    format!("pool {} (VIP {})\n{}", view.pool, view.vip, columns(&rows))
+}
+
+/// The buckets in use: `bucket hinted home warm`, and where balancing moved a home, the
+/// rendezvous home it moved from.
+pub fn render_buckets(view: &BucketsView) -> String {
+    let mut rows = vec![["bucket", "hinted", "home", "warm", "moved-from"].map(String::from)];
+    for b in &view.buckets {
+        rows.push([
+            b.bucket.to_string(),
+            format!("{:.1}", b.hinted),
+            b.home.clone(),
+            if b.warm.is_empty() {
+                "-".into()
+            } else {
+                b.warm.join(",")
+            },
+            if b.home == b.rendezvous_home {
+                "-".into()
+            } else {
+                b.rendezvous_home.clone()
+            },
+        ]);
+    }
+    let title = format!(
+        "pool {}: {} hint buckets in use (hinted: connections, decayed over minutes)\n",
+        view.pool,
+        view.buckets.len()
+    );
+    title + &columns(&rows)
+}
+
+/// Rows as left-aligned columns two spaces apart.
+fn columns<const N: usize>(rows: &[[String; N]]) -> String {
+    let widths: Vec<usize> = (0..N)
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
-    let mut out = format!("pool {} (VIP {})\n", view.pool, view.vip);
-    for r in &rows {
+    let mut out = String::new();
+    for r in rows {
         let mut line = String::new();
         for (c, cell) in r.iter().enumerate() {
             let _ = write!(line, "{cell:<w$}  ", w = widths[c]);
@@ -205,6 +264,39 @@ mod tests {
         );
         let second: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         assert_eq!(second[3..6], ["-", "-", "DRAINING"]);
+    }
+
+    #[test]
+    fn buckets_table_names_a_moved_home_and_dashes_the_rest() {
+        let row = |bucket, home: &str, rendezvous: &str, warm: &[&str]| BucketRow {
+            bucket,
+            hinted: 12.25,
+            home: home.into(),
+            rendezvous_home: rendezvous.into(),
+            warm: warm.iter().map(|w| w.to_string()).collect(),
+        };
+        let view = BucketsView {
+            pool: "chat-pool".into(),
+            buckets: vec![
+                row(17, "10.4.0.12:8000", "10.4.0.12:8000", &["10.4.0.13:8000"]),
+                row(3, "10.4.0.14:8000", "10.4.0.11:8000", &[]),
+            ],
+        };
+        let text = render_buckets(&view);
+        let lines: Vec<Vec<&str>> = text
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert!(text.starts_with("pool chat-pool: 2 hint buckets in use"));
+        assert_eq!(lines[1], ["bucket", "hinted", "home", "warm", "moved-from"]);
+        assert_eq!(
+            lines[2],
+            ["17", "12.2", "10.4.0.12:8000", "10.4.0.13:8000", "-"]
+        );
+        assert_eq!(
+            lines[3],
+            ["3", "12.2", "10.4.0.14:8000", "-", "10.4.0.11:8000"]
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use tracing::{info, warn};
 use crate::{
     affinity::{self, Load, Member, PoolAffinity},
     config::{Config, Pool},
-    control::{DrainStatus, PoolView, Response, ServerRow},
+    control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
     dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
     health::{Outcome, Track, Transition},
@@ -482,12 +482,23 @@ impl Controller {
             let stats: Vec<_> = (0..aff.range.buckets)
                 .map(|b| self.dp.bucket_stats(vip_id, b).unwrap_or_default())
                 .collect();
-            let update = aff.update(now, &members, &loads, &stats, idle);
+            let update = aff.update(now, &members, &loads, &stats, idle, pool.home_load_bound);
             let name = |id: u32| {
                 names
                     .get(&id)
                     .map_or_else(|| format!("id {id}"), |a| a.to_string())
             };
+            for m in &update.moves {
+                info!(
+                    pool = %pool.name,
+                    "bucket {}: home moves from {} to {} to balance the hinted load (the bucket has {:.1}% of it, home_load_bound {})",
+                    m.bucket,
+                    name(m.from),
+                    name(m.to),
+                    m.share * 100.0,
+                    pool.home_load_bound,
+                );
+            }
             for spill in &update.spills {
                 info!(
                     pool = %pool.name,
@@ -730,6 +741,32 @@ impl Controller {
         })
     }
 
+    /// The pool's hint buckets in use.
+    pub fn buckets(&self, pool: &str) -> Result<BucketsView> {
+        let Some(aff) = self.affinity.get(pool) else {
+            bail!("no pool named {pool:?} takes hints");
+        };
+        let names: HashMap<u32, String> = (self.servers.iter())
+            .filter(|((p, _), _)| p == pool)
+            .map(|((_, addr), s)| (s.id, addr.to_string()))
+            .collect();
+        let name = |id: u32| names.get(&id).cloned().unwrap_or_else(|| "-".into());
+        Ok(BucketsView {
+            pool: pool.to_owned(),
+            buckets: aff
+                .active()
+                .into_iter()
+                .map(|a| BucketRow {
+                    bucket: a.bucket,
+                    hinted: a.hinted,
+                    home: name(a.home),
+                    rendezvous_home: name(a.rendezvous),
+                    warm: a.warm.into_iter().map(name).collect(),
+                })
+                .collect(),
+        })
+    }
+
     pub fn counters(&self) -> Result<Vec<(String, u64)>> {
         Ok(self
             .dp
@@ -769,6 +806,7 @@ impl Controller {
             Counters => self
                 .counters()
                 .map(|counters| Response::Counters { counters }),
+            Buckets { pool } => self.buckets(&pool).map(Response::Buckets),
             Hint { pool } => match self.config.pool.iter().find(|p| p.name == pool) {
                 None => Err(anyhow::anyhow!("no pool named {pool:?}")),
                 Some(p) => match p.hint_range() {

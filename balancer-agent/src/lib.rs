@@ -8,6 +8,7 @@ pub mod dialect;
 pub mod exporter;
 pub mod health;
 pub mod hint;
+pub mod homes;
 pub mod maglev;
 pub mod objects;
 pub mod plan;

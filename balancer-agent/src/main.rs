@@ -7,7 +7,7 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_agent::{
     config::{Config, DEFAULT_CONTROL_SOCKET},
-    control::{call, render, Request, Response},
+    control::{call, render, render_buckets, Request, Response},
 };
 use clap::{Parser, Subcommand};
 
@@ -37,6 +37,16 @@ enum Command {
         /// `pool POOL` or `inference pool POOL`.
         #[arg(num_args = 2..=3, value_names = ["pool", "POOL"])]
         what: Vec<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
+    /// A pool's hint buckets in use: how many hinted connections each had lately, its home,
+    /// the servers it spills to, and the rendezvous home where balancing moved it.
+    Buckets {
+        pool: String,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -157,6 +167,16 @@ fn execute(command: Command) -> Result<()> {
                     println!("{}", serde_json::to_string_pretty(&view)?)
                 }
                 Response::Pool(view) => print!("{}", render(&view)),
+                other => bail!("unexpected answer: {other:?}"),
+            }
+            Ok(())
+        }
+        Command::Buckets { pool, json, socket } => {
+            match ask(&socket, &Request::Buckets { pool })? {
+                Response::Buckets(view) if json => {
+                    println!("{}", serde_json::to_string_pretty(&view)?)
+                }
+                Response::Buckets(view) => print!("{}", render_buckets(&view)),
                 other => bail!("unexpected answer: {other:?}"),
             }
             Ok(())

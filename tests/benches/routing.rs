@@ -183,6 +183,9 @@ struct Outcome {
 struct Run {
     outcomes: Vec<Outcome>,
     worst_queue: u64,
+    /// Ours with hints: each preamble's home (backend index) as the agent had it at the end
+    /// of the run, which balancing may have moved from the rendezvous home.
+    homes: Option<Vec<usize>>,
 }
 
 fn main() -> Result<()> {
@@ -252,6 +255,28 @@ fn homes(preambles: &[String]) -> Vec<usize> {
         .collect()
 }
 
+/// Each preamble's home as the running agent has it (`buckets`), or its rendezvous home if
+/// its bucket is not in use.
+fn agent_homes(agent: &Agent, preambles: &[String]) -> Result<Vec<usize>> {
+    let view = agent.buckets(POOL)?;
+    let rendezvous = homes(preambles);
+    preambles
+        .iter()
+        .zip(rendezvous)
+        .map(|(p, plain)| {
+            let bucket = RANGE.bucket_of_prefix(p.as_bytes());
+            let Some(row) = view.buckets.iter().find(|b| b.bucket == bucket) else {
+                return Ok(plain);
+            };
+            (0..BACKENDS)
+                .find(|&i| {
+                    row.home == SocketAddr::new(Family::V4.backend(i), BACKEND_PORT).to_string()
+                })
+                .with_context(|| format!("bucket {bucket}: home {} is no backend", row.home))
+        })
+        .collect()
+}
+
 /// Runs every policy once per regime; returns, per regime of the plan, the runs by policy.
 fn rounds(
     topology: &Topology,
@@ -277,7 +302,7 @@ fn rounds(
             for (i, a) in args.iter().enumerate() {
                 sims.restart(i, a)?;
             }
-            let run = with_policy(topology, agent, policy, || {
+            let run = with_policy(topology, agent, policy, preambles, || {
                 run_workload(topology, &sims, plan, policy, preambles, jobs)
             })
             .with_context(|| format!("{} cache, {}", regime.key, policy.label()))?;
@@ -306,12 +331,13 @@ fn rounds(
 }
 
 /// Sets `policy` up in the gateway, runs `f`, and tears it down whatever happened.
-fn with_policy<T>(
+fn with_policy(
     topology: &Topology,
     agent: &Path,
     policy: Policy,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
+    preambles: &[String],
+    f: impl FnOnce() -> Result<Run>,
+) -> Result<Run> {
     let vip = Family::V4.vip();
     let servers: Vec<_> = (0..BACKENDS)
         .map(|i| SocketAddr::new(Family::V4.backend(i), BACKEND_PORT))
@@ -359,7 +385,12 @@ fn with_policy<T>(
                 );
                 thread::sleep(Duration::from_millis(50));
             }
-            let out = f();
+            let out = f().and_then(|mut run| {
+                if policy == Policy::OursHints {
+                    run.homes = Some(agent_homes(&running, preambles)?);
+                }
+                Ok(run)
+            });
             if out.is_err() {
                 eprintln!("agent log:\n{}", running.log());
             }
@@ -416,6 +447,7 @@ fn run_workload(
         Ok(Run {
             outcomes: outcomes?,
             worst_queue: *worst.lock().expect("no panics"),
+            homes: None,
         })
     })
 }
@@ -620,6 +652,7 @@ struct Stats {
 
 impl Stats {
     fn of(run: &Run, jobs: &[Job], homes: &[usize]) -> Self {
+        let homes = run.homes.as_deref().unwrap_or(homes);
         let done: Vec<(&Outcome, &Job)> = run
             .outcomes
             .iter()
@@ -753,7 +786,9 @@ fn report(
            last completion. Hit rate: cached prompt tokens over prompt tokens, from every \
            answer's usage (about 73% is the most any policy can reach: user prompts are never \
            shared). At home: the share of the requests with a preamble that the server the \
-           preamble's hint bucket has as home answered (`x-backend`); about 25% is chance. \
+           preamble's hint bucket has as home answered (`x-backend`); about 25% is chance; for \
+           ours with hints, the home the agent had at the end of the run (it balances homes by \
+           their hinted traffic), for the others the rendezvous home. \
            Worst queue: the highest `waiting` any simulator reported (polled every 100 ms).\n\n";
     for (&r, runs) in plan.regimes.iter().zip(runs) {
         let regime = &REGIMES[r];
@@ -828,6 +863,17 @@ fn report(
                 s.worst_queue,
                 s.failed
             ));
+        }
+        if let Some(h) = &runs[POLICIES.len() - 1].homes {
+            md += &format!(
+                "\nOurs with hints, the preambles' homes at the end of the run (`balancer-agent \
+                 buckets`): {}.\n",
+                h.iter()
+                    .enumerate()
+                    .map(|(k, &i)| format!("p{} {}", k + 1, backend_name(i)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
         md += &format!(
             "\nGoal, ours with hints against every other policy ({} cache):\n\n\

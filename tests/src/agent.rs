@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 #[cfg(feature = "agent")]
-use balancer_agent::control::{PoolView, ServerRow};
+use balancer_agent::control::{BucketsView, PoolView, ServerRow};
 use serde::Serialize;
 
 use crate::process::{run, Process, STOP_GRACE};
@@ -264,6 +264,12 @@ impl<'t> Agent<'t> {
     pub fn show(&self, pool: &str) -> Result<PoolView> {
         let text = self.cli(&["show", "pool", pool, "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("show --json printed {text:?}"))
+    }
+
+    /// The pool's hint buckets in use, as `buckets --json` prints them.
+    pub fn buckets(&self, pool: &str) -> Result<BucketsView> {
+        let text = self.cli(&["buckets", pool, "--json"])?;
+        serde_json::from_str(&text).with_context(|| format!("buckets --json printed {text:?}"))
     }
 
     /// Polls `show` of `pool` every `poll` until `pred` holds: that answer, and when it

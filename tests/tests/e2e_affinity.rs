@@ -20,6 +20,10 @@
 //!    to 10.4.0.13, and the bucket then has two warm candidates: the ones after it go to
 //!    10.4.0.13 while the home is past its threshold and to the home once it recovers, never
 //!    anywhere else, and both answer from their prefix cache.
+//! 5. Four popular prefixes whose buckets share one rendezvous home: once the pool has seen
+//!    enough hinted connections, the agent moves some of them to other servers (its log and
+//!    `buckets` say where), the most popular one stays, and every connection after that
+//!    reaches the home `buckets` shows.
 //!
 //! The scenarios share one topology; each starts the simulators it needs and a fresh agent
 //! (backend ids 1-4 in configuration order), so none depends on what another left behind.
@@ -101,11 +105,15 @@ fn run(topology: &Topology, agent: &Path) -> Result<()> {
         binary: agent.to_owned(),
         agent: None,
     };
-    let scenarios: [(&str, Scenario); 4] = [
+    let scenarios: [(&str, Scenario); 5] = [
         ("1. homes and hit rate", homes_and_hit_rate),
         ("2. flood of one prefix", flood_of_one_prefix),
         ("3. removing a server", removing_a_server),
         ("4. the brief's worked example", worked_example),
+        (
+            "5. popular prefixes on one home",
+            popular_prefixes_on_one_home,
+        ),
     ];
     // E2E_AFFINITY_SCENARIOS=2,4 runs only those (for working on one).
     let only: Option<Vec<String>> = std::env::var("E2E_AFFINITY_SCENARIOS")
@@ -1165,6 +1173,106 @@ fn removing_a_server(bed: &mut Bed) -> Result<()> {
     );
     ensure!(wrong.is_empty(), "{wrong:#?}");
     ensure!(moved == count[REMOVED] && moved > 0, "nothing moved");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Popular prefixes on one home.
+
+/// Requests per round for each of the four prefixes, most popular first; five rounds make
+/// 100 hinted connections, past the 64 the agent wants before it balances homes.
+const POPULAR_MIX: [usize; 4] = [8, 6, 4, 2];
+const POPULAR_ROUNDS: usize = 5;
+
+fn popular_prefixes_on_one_home(bed: &mut Bed) -> Result<()> {
+    bed.restart_sims(|_| route_args())?;
+    bed.start_agent(&config(bed.topology, ROUTE_SLOTS))?;
+    let all: Vec<usize> = (0..BACKENDS).collect();
+    let mut prefixes: Vec<(String, u16)> = Vec::new();
+    for k in 0.. {
+        if prefixes.len() == POPULAR_MIX.len() {
+            break;
+        }
+        let text = format!("popular prefix {k}");
+        let bucket = bucket_of(&text);
+        if home_of(bucket, &all) == 0 && prefixes.iter().all(|(_, b)| *b != bucket) {
+            prefixes.push((text, bucket));
+        }
+    }
+    let jobs: Vec<&str> = (0..POPULAR_ROUNDS)
+        .flat_map(|_| {
+            (prefixes.iter().zip(POPULAR_MIX))
+                .flat_map(|((text, _), n)| std::iter::repeat_n(text.as_str(), n))
+        })
+        .collect();
+    let log_from = bed.log_len();
+    let answers = bed.topology.client().enter(|| {
+        run_workers(HOME_SHARE_WORKERS, &jobs, |prefix| {
+            hinted(prefix, "which", PROBE_TOKENS)
+        })
+    })?;
+    println!(
+        "{} hinted requests, prefixes homed on {} by rendezvous, {POPULAR_MIX:?} per round",
+        answers.len(),
+        address(0)
+    );
+    // The agent balances at its next fold: wait for a move to show.
+    let deadline = Instant::now() + SETTLE;
+    let view = loop {
+        let view = bed.agent().buckets(POOL)?;
+        let moved = |(_, b): &(String, u16)| {
+            (view.buckets.iter()).any(|r| r.bucket == *b && r.home != r.rendezvous_home)
+        };
+        if prefixes.iter().any(moved) {
+            break view;
+        }
+        ensure!(Instant::now() < deadline, "no home moved: {view:#?}");
+        sleep(POLL);
+    };
+    let mut homes = Vec::new();
+    for (text, bucket) in &prefixes {
+        let row = (view.buckets.iter())
+            .find(|r| r.bucket == *bucket)
+            .with_context(|| format!("bucket {bucket} not in use: {view:#?}"))?;
+        ensure!(index_of(&row.rendezvous_home) == Some(0), "{row:?}");
+        let home = index_of(&row.home).with_context(|| format!("{row:?}"))?;
+        println!(
+            "bucket {bucket}: {:.1} hinted, home {} (rendezvous {})",
+            row.hinted, row.home, row.rendezvous_home
+        );
+        homes.push((text.clone(), *bucket, home));
+    }
+    ensure!(
+        homes[0].2 == 0,
+        "the most popular prefix left its home: {homes:?}"
+    );
+    let logged = bed.log_lines(log_from, "home moves from");
+    for (_, bucket, home) in homes.iter().filter(|(_, _, h)| *h != 0) {
+        let line = format!(
+            "bucket {bucket}: home moves from {}:{BACKEND_PORT} to {}:{BACKEND_PORT}",
+            address(0),
+            address(*home)
+        );
+        ensure!(
+            logged.iter().any(|l| l.contains(&line)),
+            "no log line {line:?} in {logged:#?}"
+        );
+    }
+    // Every connection now goes to the home shown (one at a time: no spill).
+    for (text, bucket, home) in &homes {
+        for _ in 0..3 {
+            let a = bed
+                .topology
+                .client()
+                .enter(|| hinted(text, "which", PROBE_TOKENS))?;
+            ensure!(
+                a.backend == *home,
+                "bucket {bucket}: answered by {} instead of its home {}",
+                address(a.backend),
+                address(*home)
+            );
+        }
+    }
     Ok(())
 }
 
