@@ -246,7 +246,8 @@ impl PoolAffinity {
             ..Update::default()
         };
         for m in &out.moves {
-            // The old home still holds the prefix: the first choice for a spill.
+            // The old home still holds the prefix: preferred, among otherwise equal
+            // alternates, when the bucket spills.
             let former = &mut self.buckets[usize::from(m.bucket)].former;
             former.retain(|id| *id != m.from);
             former.insert(0, m.from);

@@ -126,7 +126,8 @@ pub fn place(
     homes
 }
 
-/// The buckets whose home changed from one server that is still eligible to another.
+/// The buckets in use whose home changed from one server that is still eligible to another:
+/// the moves balancing made (a quiet bucket just follows rendezvous hashing).
 pub fn moves(before: &[u32], after: &[u32], members: &[Member], counts: &[f64]) -> Vec<Move> {
     let total: f64 = counts.iter().sum();
     let member = |id: u32| members.iter().any(|m| m.id == id);
@@ -134,7 +135,9 @@ pub fn moves(before: &[u32], after: &[u32], members: &[Member], counts: &[f64]) 
         .iter()
         .zip(after)
         .enumerate()
-        .filter(|(_, (from, to))| from != to && member(**from) && **to != 0)
+        .filter(|(b, (from, to))| {
+            from != to && member(**from) && **to != 0 && counts.get(*b) >= Some(&QUIET)
+        })
         .map(|(b, (&from, &to))| Move {
             bucket: b as u16,
             from,
@@ -296,24 +299,17 @@ mod tests {
     #[test]
     fn moves_name_only_balancing() {
         let m = members(3);
+        // Bucket 2 is quiet: it only follows rendezvous hashing.
         let counts = [30.0, 10.0, 0.0];
         let mv = moves(&[1, 2, 3], &[2, 2, 1], &m, &counts);
         assert_eq!(
             mv,
-            vec![
-                Move {
-                    bucket: 0,
-                    from: 1,
-                    to: 2,
-                    share: 0.75
-                },
-                Move {
-                    bucket: 2,
-                    from: 3,
-                    to: 1,
-                    share: 0.0
-                }
-            ]
+            vec![Move {
+                bucket: 0,
+                from: 1,
+                to: 2,
+                share: 0.75
+            }]
         );
         // A home that left the pool is not a balancing move.
         assert!(moves(&[4], &[1], &m, &[5.0]).is_empty());
