@@ -356,10 +356,11 @@ impl PoolAffinity {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn members(n: u32) -> Vec<Member> {
+    /// Servers 1..=n of equal weight, 10.4.0.11:8000 and on.
+    pub(crate) fn members(n: u32) -> Vec<Member> {
         (1..=n)
             .map(|i| Member {
                 id: i,

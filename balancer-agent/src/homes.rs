@@ -150,17 +150,7 @@ pub fn moves(before: &[u32], after: &[u32], members: &[Member], counts: &[f64]) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::affinity::ranking;
-
-    fn members(n: u32) -> Vec<Member> {
-        (1..=n)
-            .map(|i| Member {
-                id: i,
-                key: format!("10.4.0.{}:8000", 10 + i),
-                weight: 100,
-            })
-            .collect()
-    }
+    use crate::affinity::{ranking, tests::members};
 
     fn rankings(buckets: u16, m: &[Member]) -> Vec<Vec<u32>> {
         (0..buckets).map(|b| ranking(b, m)).collect()
