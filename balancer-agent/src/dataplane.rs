@@ -465,7 +465,9 @@ fn bucket_slot(vip_id: u32, bucket: u16) -> u32 {
     vip_id * u32::from(MAX_HINT_BUCKETS) + u32::from(bucket)
 }
 
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`: what flow entries' times are in.
+/// CLOCK_MONOTONIC: what flow entries' times are in. The program reads it coarsely
+/// (`bpf_ktime_get_coarse_ns`, a tick behind at most, a few ns instead of a clock-source
+/// read per packet); every use here is about seconds.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

@@ -176,7 +176,7 @@ pub struct FlowEntry {
     pub backend_id: u32,
     pub idle_timeout_s: u32,
     pub _pad: u32,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet in either direction,
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC, to a tick) of the last packet in either direction,
     /// refreshed at most once per second to keep the shared cache line quiet.
     pub last_seen_ns: u64,
     /// Where the client's packets go next (towards the backend), and the replies.
@@ -192,7 +192,7 @@ pub struct FlowEntry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct NextHop {
     pub ifindex: u32,
-    /// `bpf_ktime_get_ns() >> 30` when looked up.
+    /// `bpf_ktime_get_coarse_ns() >> 30` when looked up.
     pub epoch: u32,
     pub dmac: [u8; 6],
     pub smac: [u8; 6],
