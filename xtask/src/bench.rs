@@ -256,12 +256,14 @@ fn header(
          - packet cost: the program rewrites what it forwards, so a packet runs once per test \
          run and the floor is mostly the kernel's per-run timer (compare it with the floor at \
          `repeat` = 1000000 in section 1). What an established packet adds is mostly cache \
-         misses on a cold entry of a large table; a SYN adds an LRU insert and a FIB lookup.\n\
+         misses on a cold entry of a large table (the next packet of a burst, its entry in \
+         cache, shows the rest); a SYN adds an LRU insert and a FIB lookup.\n\
          - bulk throughput: nftables and HAProxy work after GRO, on up to 64 KB at a time; XDP \
          handles every 1500-byte frame of these veth links.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
-         hints raise the prefix-cache hit rate, not enough to halve it.\n\n",
+         hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
+         is the sixth slowest: the same policy's p99 moves by up to a second between runs.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
