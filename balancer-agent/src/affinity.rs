@@ -56,8 +56,9 @@ fn score(bucket: u16, m: &Member) -> f64 {
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
 /// since the scrape. Negative when more than that already wait: by how many, so that the
-/// program can still tell the least loaded of servers that are all past the threshold. At
-/// most zero when the server is saturated (or recovering from it) for another reason.
+/// program can still tell the least loaded of servers that are all past the threshold. A
+/// server saturated (or recovering from it) on any signal ranks below every one that is
+/// only queued: its room, at most zero, less [`SATURATED_BELOW`].
 pub fn budget(
     saturated: bool,
     slots: u32,
@@ -67,16 +68,19 @@ pub fn budget(
     spill_waiting: u32,
 ) -> i32 {
     let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting - fresh as f64;
-    // BUDGET_UNKNOWN is i32::MIN: a real budget never reaches it.
     let room = room
         .floor()
-        .clamp(f64::from(i32::MIN + 1), f64::from(i32::MAX)) as i32;
+        .clamp(-f64::from(SATURATED_BELOW), f64::from(i32::MAX)) as i32;
     if saturated {
-        room.min(0)
+        room.min(0) - SATURATED_BELOW
     } else {
         room
     }
 }
+
+/// What a saturated server's budget is set below a queued one's by: more requests than any
+/// queue holds. Twice it stays above `BUDGET_UNKNOWN` (i32::MIN), which a budget never is.
+pub const SATURATED_BELOW: i32 = 1 << 29;
 
 /// What a bucket's spill decision needs to know about a server.
 #[derive(Debug, Clone, PartialEq)]
@@ -241,10 +245,11 @@ impl PoolAffinity {
         );
         let counts = self.popularity.counts();
         let homes = homes::place(&self.rankings, members, counts, &self.homes, home_bound);
-        let mut out = Update {
-            moves: homes::moves(&self.homes, &homes, members, counts),
-            ..Update::default()
-        };
+        // With balancing off, a change of homes is rendezvous hashing's, not a move.
+        let mut out = Update::default();
+        if home_bound > 0.0 {
+            out.moves = homes::moves(&self.homes, &homes, members, counts);
+        }
         for m in &out.moves {
             // The old home still holds the prefix: preferred, among otherwise equal
             // alternates, when the bucket spills.
@@ -434,13 +439,20 @@ pub(crate) mod tests {
             "past the threshold by three"
         );
         assert_eq!(budget(false, 8, 6.5, 0.0, 0, 1), 1, "a half is not a slot");
+        let below = SATURATED_BELOW;
         assert_eq!(
             budget(true, 8, 0.0, 0.0, 0, 1),
-            0,
+            -below,
             "saturated by TTFT or KV"
         );
-        assert_eq!(budget(true, 8, 8.0, 4.0, 1, 1), -5, "saturated and queued");
-        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), i32::MIN + 1);
+        assert_eq!(
+            budget(true, 8, 8.0, 4.0, 1, 1),
+            -5 - below,
+            "saturated and queued"
+        );
+        assert!(budget(true, 8, 0.0, 0.0, 0, 1) < budget(false, 8, 8.0, 1000.0, 0, 1));
+        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), -below);
+        assert!(budget(true, 8, 1e12, f64::NAN, 0, 1) > balancer_common::BUDGET_UNKNOWN);
     }
 
     fn stats(hinted: u64, spilled: u64, picks: [u64; 4]) -> BucketStats {

@@ -744,7 +744,10 @@ impl Controller {
     /// The pool's hint buckets in use.
     pub fn buckets(&self, pool: &str) -> Result<BucketsView> {
         let Some(aff) = self.affinity.get(pool) else {
-            bail!("no pool named {pool:?} takes hints");
+            if self.config.pool.iter().any(|p| p.name == pool) {
+                bail!("pool {pool} takes no hints (hint_ports = \"off\")");
+            }
+            bail!("no pool named {pool:?}");
         };
         let names: HashMap<u32, String> = (self.servers.iter())
             .filter(|((p, _), _)| p == pool)

@@ -465,15 +465,15 @@ fn bucket_slot(vip_id: u32, bucket: u16) -> u32 {
     vip_id * u32::from(MAX_HINT_BUCKETS) + u32::from(bucket)
 }
 
-/// CLOCK_MONOTONIC: what flow entries' times are in. The program reads it coarsely
-/// (`bpf_ktime_get_coarse_ns`, a tick behind at most, a few ns instead of a clock-source
-/// read per packet); every use here is about seconds.
+/// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times
+/// are in. The program reads the coarse clock (it lags CLOCK_MONOTONIC by a tick at most)
+/// to spare every packet a clock-source read; every use of it is about seconds.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

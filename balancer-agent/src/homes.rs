@@ -5,11 +5,12 @@
 //! (decayed over minutes) and places the buckets from the most popular down. A bucket stays
 //! with its current home while that server's share of the hinted traffic, with the bucket,
 //! stays within `home_load_bound` (and a quarter) times its fair, weighted share; otherwise
-//! it moves to the server then least loaded relative to its share, the first of its
-//! rendezvous order on a tie: greedy largest-first placement, bounded so that homes move
+//! it moves to the server then least loaded relative to its share (on a tie the current
+//! home, then its rendezvous order): greedy largest-first placement, bounded so that homes move
 //! when the traffic moved, not with every count. Quiet buckets, and every bucket until enough
 //! connections have been seen, keep their plain rendezvous home, the one every gateway
-//! computes from the configuration alone; the balanced homes of several gateways agree as
+//! computes from the configuration alone; after that, while too few connections are counted
+//! to balance on, every home stays as it is. The balanced homes of several gateways agree as
 //! far as the traffic they see agrees, and where they differ a prefix is warm on two servers.
 //! Pure code.
 
@@ -88,9 +89,12 @@ pub fn place(
         .collect();
     let total: f64 = counts.iter().sum();
     let weight_sum: f64 = members.iter().map(|m| f64::from(m.weight)).sum();
-    if bound == 0.0 || total < EVIDENCE || weight_sum == 0.0 {
+    if bound == 0.0 || weight_sum == 0.0 {
         return homes;
     }
+    // Too little evidence to balance on: the homes stand as they are, so that a pool whose
+    // traffic hovers about the threshold does not move its homes to and fro.
+    let balancing = total >= EVIDENCE;
     let cap: HashMap<u32, f64> = members
         .iter()
         .map(|m| (m.id, bound * total * f64::from(m.weight) / weight_sum))
@@ -112,7 +116,7 @@ pub fn place(
         let incumbent = (current.get(b))
             .filter(|id| rankings[b].contains(id))
             .or(rankings[b].first());
-        let kept = incumbent.filter(|id| with(id) <= KEEP);
+        let kept = incumbent.filter(|id| !balancing || with(id) <= KEEP);
         // `min_by` keeps the first of equals: the incumbent, then the rendezvous order. So a
         // bucket too popular for any server stays where it is (and spills).
         let home = kept.or_else(|| {
@@ -221,8 +225,11 @@ mod tests {
         assert_eq!(place(&r, &m, &few, &plain, 1.25), plain);
         // The same with more evidence moves some; turned off, none.
         let many: Vec<f64> = few.iter().map(|n| n * 2.0).collect();
-        assert_ne!(place(&r, &m, &many, &plain, 1.25), plain);
+        let balanced = place(&r, &m, &many, &plain, 1.25);
+        assert_ne!(balanced, plain);
         assert_eq!(place(&r, &m, &many, &plain, 0.0), plain);
+        // When the evidence fades again, the balanced homes stay.
+        assert_eq!(place(&r, &m, &few, &balanced, 1.25), balanced);
     }
 
     #[test]

@@ -24,71 +24,83 @@ pub fn bucket(vip: &VipInfo, pkt: &Packet) -> Option<u32> {
     Some(u32::from(offset % vip.hint_buckets))
 }
 
-/// The backend for a hinted connection, or None to use the Maglev pick. SYNs may spill;
-/// a mid-stream packet without an entry goes to the home, where its SYN most likely went.
+/// What a hint bucket says about a connection.
+pub enum Hinted {
+    /// The home (place 0) or a warm alternate (place 1..) takes it.
+    Take(u32),
+    /// A SYN whose home and warm alternates are all past their threshold: the weighted pick
+    /// decides, unless the home has at least as much room (the home, its room).
+    Full(u32, i64),
+}
+
+/// What the bucket of a hinted connection says, or None to use the Maglev pick. SYNs may
+/// spill; a mid-stream packet without an entry goes to the home, where its SYN most likely
+/// went.
 #[inline(always)]
-pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<u32> {
-    let slot = vip.vip_id * MAX_HINT_BUCKETS as u32 + bucket;
-    if slot >= BUCKET_SLOTS {
-        return None;
-    }
+pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<Hinted> {
+    let slot = slot(vip, bucket)?;
     let candidates = BUCKETS.get(slot)?.ids;
     let home = candidates[0];
     if home == 0 {
         return None;
     }
     if !syn {
-        return Some(home);
+        return Some(Hinted::Take(home));
     }
-    let stats = BUCKET_STATS.get_ptr_mut(slot);
-    let mut chosen = None;
     // A home whose load is unknown keeps its SYNs: nothing says it is full.
-    if room(home).is_none_or(|r| r > 0) {
-        chosen = Some(0);
-    } else {
-        let mut best_room = 0;
-        let mut i = 1;
-        while i < candidates.len() {
-            let id = candidates[i];
-            if id != 0 {
-                let r = room(id).unwrap_or(0);
-                if r > best_room {
-                    best_room = r;
-                    chosen = Some(i);
-                }
-            }
-            i += 1;
+    let home_room = match room(home) {
+        Some(r) if r <= 0 => r,
+        _ => {
+            record(slot, Some(0));
+            return Some(Hinted::Take(home));
         }
+    };
+    let mut best_room = 0;
+    let mut chosen = 0;
+    let mut i = 1;
+    while i < candidates.len() {
+        let id = candidates[i];
+        if id != 0 {
+            if let Some(r) = room(id).filter(|r| *r > best_room) {
+                best_room = r;
+                chosen = i;
+            }
+        }
+        i += 1;
     }
-    if let Some(stats) = stats {
+    if chosen == 0 {
+        return Some(Hinted::Full(home, home_room));
+    }
+    record(slot, Some(chosen));
+    Some(Hinted::Take(candidates[chosen]))
+}
+
+/// The bucket's place in `BUCKETS` and `BUCKET_STATS`.
+#[inline(always)]
+pub fn slot(vip: &VipInfo, bucket: u32) -> Option<u32> {
+    let slot = vip.vip_id * MAX_HINT_BUCKETS as u32 + bucket;
+    (slot < BUCKET_SLOTS).then_some(slot)
+}
+
+/// Counts a hinted SYN in its bucket's statistics and the counters: which candidate took it
+/// (0: the home), or None when the weighted pick did.
+#[inline(always)]
+pub fn record(slot: u32, place: Option<usize>) {
+    if let Some(stats) = BUCKET_STATS.get_ptr_mut(slot) {
         // SAFETY: a valid value of the map for this program run; every field is a u64.
         unsafe {
             shared_add(&raw mut (*stats).hinted);
-            match chosen {
-                Some(i) => {
-                    if i != 0 {
-                        shared_add(&raw mut (*stats).spilled);
-                    }
-                    if let Some(pick) = (*stats).picks.get_mut(i) {
-                        shared_add(pick);
-                    }
-                }
-                None => shared_add(&raw mut (*stats).spilled),
+            if place != Some(0) {
+                shared_add(&raw mut (*stats).spilled);
+            }
+            if let Some(pick) = place.and_then(|i| (*stats).picks.get_mut(i)) {
+                shared_add(pick);
             }
         }
     }
-    match chosen {
-        Some(0) => {
-            count(Counter::HintHome);
-            Some(home)
-        }
-        Some(i) => {
-            count(Counter::HintWarm);
-            Some(candidates[i])
-        }
-        None => {
-            count(Counter::HintMaglev);
-            None
-        }
-    }
+    count(match place {
+        Some(0) => Counter::HintHome,
+        Some(_) => Counter::HintWarm,
+        None => Counter::HintMaglev,
+    });
 }

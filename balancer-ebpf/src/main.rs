@@ -24,6 +24,7 @@ use balancer_common::{
     ALTERNATES_SIZE, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
 };
 
+use affinity::Hinted;
 use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
@@ -202,16 +203,23 @@ fn new_flow(
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
     }
-    let hinted = affinity::bucket(vip, pkt)
-        .and_then(|b| affinity::pick(vip, b, syn))
-        .and_then(|id| present(id).map(|b| (id, b)));
-    let (id, backend) = match hinted {
-        Some(chosen) => chosen,
-        None => {
-            let id = maglev(vip, &pkt.key, syn)?;
-            (id, present(id).ok_or(Counter::DropBadBackend)?)
+    let bucket = affinity::bucket(vip, pkt);
+    let id = match bucket.and_then(|b| affinity::pick(vip, b, syn)) {
+        Some(Hinted::Take(id)) if present(id).is_some() => id,
+        Some(Hinted::Full(home, home_room)) => {
+            // Every candidate of the bucket is past its threshold: the home, which holds the
+            // prefix, unless the weighted choice has more room.
+            let (id, room) = maglev(vip, &pkt.key, syn)?;
+            let home_wins = room.is_some_and(|r| home_room >= r) && present(home).is_some();
+            let id = if home_wins { home } else { id };
+            if let Some(slot) = bucket.and_then(|b| affinity::slot(vip, b)) {
+                affinity::record(slot, home_wins.then_some(0));
+            }
+            id
         }
+        _ => maglev(vip, &pkt.key, syn)?.0,
     };
+    let backend = present(id).ok_or(Counter::DropBadBackend)?;
     let mut entry = FlowEntry {
         nat_addr: backend.addr,
         nat_port: backend.port,
@@ -251,20 +259,21 @@ fn new_flow(
 /// shortest of three queues. Anything else keeps the pick, the one every gateway and every
 /// restart agree on, and so does a SYN while its pick has room: a flow whose entry is lost
 /// most likely finds its backend again.
+/// Returns the backend and, for a SYN, its room (None: unknown).
 #[inline(always)]
-fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
+fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<(u32, Option<i64>), Counter> {
     let (slot, alternates) = draws(key);
     let id = match MAGLEV.get(vip.table * MAGLEV_SIZE + slot) {
         Some(&id) if id != 0 => id as u32,
         _ => return Err(Counter::DropNoBackend),
     };
     if !syn {
-        return Ok(id);
+        return Ok((id, None));
     }
     // Unknown load: nothing says the pick is full, nor that an alternate has room.
     let mut best = match room::room(id) {
-        None => return Ok(id),
-        Some(r) if r > 0 => return Ok(id),
+        None => return Ok((id, None)),
+        Some(r) if r > 0 => return Ok((id, Some(r))),
         Some(r) => r,
     };
     let mut chosen = id;
@@ -285,7 +294,7 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<u32, Counter> {
     if chosen != id {
         count(Counter::MaglevSecond);
     }
-    Ok(chosen)
+    Ok((chosen, Some(best)))
 }
 
 /// The backend `id` names, if it is configured.

@@ -12,9 +12,10 @@ use crate::maps::{CLOSES, LOAD, OPENS};
 /// what closed since. None when its load is unknown (`BUDGET_UNKNOWN`).
 #[inline(always)]
 pub fn room(id: u32) -> Option<i64> {
+    // An id out of range has no load to know.
     let (Some(load), Some(opens), Some(closes)) = (LOAD.get(id), OPENS.get(id), CLOSES.get(id))
     else {
-        return Some(0);
+        return None;
     };
     if load.budget == BUDGET_UNKNOWN {
         return None;

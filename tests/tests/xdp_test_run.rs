@@ -664,8 +664,9 @@ fn kernel_picks_what_user_space_predicts(
 }
 
 /// A SYN from a hint port goes to its bucket's home while the home has budget, then to the
-/// warm alternate with the most room, then to the Maglev pick; a mid-stream packet without
-/// an entry goes home; ports outside the range never look at the buckets.
+/// warm alternate with the most room, then to the home again unless the weighted choice has
+/// more room; a mid-stream packet without an entry goes home; ports outside the range never
+/// look at the buckets.
 fn hinted_syns_go_home_then_spill(
     h: &mut Harness,
     n: &Net,
@@ -721,14 +722,27 @@ fn hinted_syns_go_home_then_spill(
     // c has 1 left, b has 1: the first with the most room wins the tie (b comes first).
     send(h, "S", b, Counter::HintWarm, "spill to the next")?;
     send(h, "S", c, Counter::HintWarm, "spill to the last room")?;
-    // No room anywhere (the fourth server neither): the weighted pick, which is what
-    // Maglev names for this flow, its second draw having no more room than the first.
+    // No room anywhere (the fourth server neither), and the weighted choice has no more
+    // than the home: the home keeps it, it holds the prefix.
     h.dp.set_budget(id(n.multi[3]), 0)?;
-    let sport = range.ports(bucket).last().context("bucket ports")?;
-    let maglev = maglev_pick(n, sport, table, id)?;
+    send(
+        h,
+        "S",
+        a,
+        Counter::HintHome,
+        "no room anywhere, the home no fuller",
+    )?;
+    // The home queued deeper than the weighted choice: the weighted pick, which is what
+    // Maglev names for this flow (a server other than the home), its second draw having no
+    // more room than the first.
+    h.dp.set_budget(id(a), -3)?;
+    let from_the_end: Vec<u16> = range.ports(bucket).collect();
+    let (sport, maglev) = (from_the_end.into_iter().rev())
+        .find_map(|p| Some((p, maglev_pick(n, p, table, id).ok()?)).filter(|(_, m)| *m != a))
+        .context("a bucket port whose Maglev pick is not the home")?;
     let pkt = client_syn(n, n.vip_multi, sport);
     h.expect(
-        &format!("{fam} no room anywhere"),
+        &format!("{fam} the home queued deeper than the weighted pick"),
         h.g0,
         &pkt.bytes(),
         XDP_PASS,
@@ -748,10 +762,10 @@ fn hinted_syns_go_home_then_spill(
     send(h, "A", a, Counter::FlowNewMidstream, "mid-stream goes home")?;
     let stats = h.dp.bucket_stats(vip_id, bucket)?;
     ensure!(
-        stats.hinted == 8 && stats.spilled == 5,
+        stats.hinted == 9 && stats.spilled == 5,
         "{fam} bucket stats {stats:?}"
     );
-    ensure!(stats.picks == [3, 1, 3, 0], "{fam} picks {:?}", stats.picks);
+    ensure!(stats.picks == [4, 1, 3, 0], "{fam} picks {:?}", stats.picks);
     // Outside the range: Maglev, the buckets are not consulted.
     let before = h.counter(Counter::HintHome)
         + h.counter(Counter::HintWarm)

@@ -263,7 +263,11 @@ fn header(
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
-         is the sixth slowest: the same policy's p99 moves by up to a second between runs.\n\n",
+         is the sixth slowest: the same policy's p99 moves by up to a second between runs.\n\
+         - hit rate: every policy sends each server the popular preambles about every second, \
+         so they stay warm everywhere; hints can only win the rare ones, and a hinted request \
+         whose home is full spills, which spreads those too. The policies end within about a \
+         point of each other, about what one policy moves between runs.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
