@@ -56,9 +56,11 @@ fn score(bucket: u16, m: &Member) -> f64 {
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
 /// since the scrape. Negative when more than that already wait: by how many, so that the
-/// program can still tell the least loaded of servers that are all past the threshold. A
-/// server saturated (or recovering from it) on any signal ranks below every one that is
-/// only queued: its room, at most zero, less [`SATURATED_BELOW`].
+/// program can still tell the least loaded of servers that are all past the threshold. At
+/// most zero when the server is saturated (or recovering from it) on TTFT or KV: it then
+/// counts as full, no better than a server with no free slot and no worse than one with a
+/// queue. A free slot starts a request at once while TTFT is a lagging signal, and a server
+/// whose KV memory holds back admissions shows it in its own waiting count.
 pub fn budget(
     saturated: bool,
     slots: u32,
@@ -68,19 +70,16 @@ pub fn budget(
     spill_waiting: u32,
 ) -> i32 {
     let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting - fresh as f64;
+    // BUDGET_UNKNOWN is i32::MIN: a real budget never reaches it.
     let room = room
         .floor()
-        .clamp(-f64::from(SATURATED_BELOW), f64::from(i32::MAX)) as i32;
+        .clamp(f64::from(i32::MIN + 1), f64::from(i32::MAX)) as i32;
     if saturated {
-        room.min(0) - SATURATED_BELOW
+        room.min(0)
     } else {
         room
     }
 }
-
-/// What a saturated server's budget is set below a queued one's by: more requests than any
-/// queue holds. Twice it stays above `BUDGET_UNKNOWN` (i32::MIN), which a budget never is.
-pub const SATURATED_BELOW: i32 = 1 << 29;
 
 /// What a bucket's spill decision needs to know about a server.
 #[derive(Debug, Clone, PartialEq)]
@@ -439,19 +438,13 @@ pub(crate) mod tests {
             "past the threshold by three"
         );
         assert_eq!(budget(false, 8, 6.5, 0.0, 0, 1), 1, "a half is not a slot");
-        let below = SATURATED_BELOW;
         assert_eq!(
             budget(true, 8, 0.0, 0.0, 0, 1),
-            -below,
+            0,
             "saturated by TTFT or KV"
         );
-        assert_eq!(
-            budget(true, 8, 8.0, 4.0, 1, 1),
-            -5 - below,
-            "saturated and queued"
-        );
-        assert!(budget(true, 8, 0.0, 0.0, 0, 1) < budget(false, 8, 8.0, 1000.0, 0, 1));
-        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), -below);
+        assert_eq!(budget(true, 8, 8.0, 4.0, 1, 1), -5, "saturated and queued");
+        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), i32::MIN + 1);
         assert!(budget(true, 8, 1e12, f64::NAN, 0, 1) > balancer_common::BUDGET_UNKNOWN);
     }
 
