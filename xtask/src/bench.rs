@@ -264,10 +264,10 @@ fn header(
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
          is the sixth slowest: the same policy's p99 moves by up to a second between runs.\n\
-         - hit rate: every policy sends each server the popular preambles about every second, \
-         so they stay warm everywhere; hints can only win the rare ones, and a hinted request \
-         whose home is full spills, which spreads those too. The policies end within about a \
-         point of each other, about what one policy moves between runs.\n\n",
+         - hit rate, where it is close: every policy sends each server the popular preambles \
+         about every second, so they stay warm everywhere; hints can win only on the rarer \
+         ones, a few points at most, and one policy's hit rate moves by about a point between \
+         runs.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
