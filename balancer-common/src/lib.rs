@@ -176,8 +176,8 @@ pub struct FlowEntry {
     pub backend_id: u32,
     pub idle_timeout_s: u32,
     pub _pad: u32,
-    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC, to a tick) of the last packet in either direction,
-    /// refreshed at most once per second to keep the shared cache line quiet.
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC_COARSE) of the last packet in either
+    /// direction, refreshed at most once per second to keep the shared cache line quiet.
     pub last_seen_ns: u64,
     /// Where the client's packets go next (towards the backend), and the replies.
     pub to_backend: NextHop,
