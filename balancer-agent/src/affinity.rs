@@ -130,6 +130,16 @@ struct BucketState {
     written: Option<Bucket>,
 }
 
+impl BucketState {
+    /// `id` served the bucket (as home or alternate) and may still hold its prefix: first
+    /// among the former alternates.
+    fn remember(&mut self, id: u32) {
+        self.former.retain(|f| *f != id);
+        self.former.insert(0, id);
+        self.former.truncate(BUCKET_CANDIDATES);
+    }
+}
+
 /// One pool's buckets.
 pub struct PoolAffinity {
     pub range: HintRange,
@@ -252,10 +262,7 @@ impl PoolAffinity {
         for m in &out.moves {
             // The old home still holds the prefix: preferred, among otherwise equal
             // alternates, when the bucket spills.
-            let former = &mut self.buckets[usize::from(m.bucket)].former;
-            former.retain(|id| *id != m.from);
-            former.insert(0, m.from);
-            former.truncate(BUCKET_CANDIDATES);
+            self.buckets[usize::from(m.bucket)].remember(m.from);
         }
         self.homes = homes;
         let load = |id: u32| loads.iter().find(|l| l.id == id);
@@ -298,9 +305,7 @@ impl PoolAffinity {
             });
             state.warm = warm;
             for w in gone {
-                state.former.retain(|id| *id != w.id);
-                state.former.insert(0, w.id);
-                state.former.truncate(BUCKET_CANDIDATES);
+                state.remember(w.id);
             }
             let active = state
                 .last_hinted

@@ -15,10 +15,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
-    hint::{HintRange, MAX_HINT_BUCKETS},
-    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BUCKET_SLOTS, MAGLEV_SIZE,
-    MAGLEV_TABLES, MAX_BACKENDS,
+    bucket_slot, hint::HintRange, Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter,
+    FlowEntry, FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS,
+    BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
 };
 use tracing::{info, warn};
 
@@ -382,13 +381,13 @@ impl Dataplane {
     /// Writes the candidates of bucket `bucket` of VIP `vip_id`.
     pub fn set_bucket(&mut self, vip_id: u32, bucket: u16, candidates: &Bucket) -> Result<()> {
         self.buckets
-            .set(bucket_slot(vip_id, bucket), candidates, 0)
+            .set(slot(vip_id, bucket)?, candidates, 0)
             .with_context(|| format!("writing bucket {bucket} of VIP {vip_id}"))
     }
 
     /// Hinted SYNs, spills and picks of one bucket so far, summed over CPUs.
     pub fn bucket_stats(&self, vip_id: u32, bucket: u16) -> Result<BucketStats> {
-        let start = (bucket_slot(vip_id, bucket) * BUCKET_STAT_SLOTS) as usize;
+        let start = (slot(vip_id, bucket)? * BUCKET_STAT_SLOTS) as usize;
         let v = self
             .bucket_stats
             .shared()
@@ -461,8 +460,10 @@ impl Dataplane {
     }
 }
 
-fn bucket_slot(vip_id: u32, bucket: u16) -> u32 {
-    vip_id * u32::from(MAX_HINT_BUCKETS) + u32::from(bucket)
+/// Bucket `bucket` of VIP `vip_id` in `BUCKETS` and `BUCKET_STATS`, as the program finds it.
+fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
+    bucket_slot(vip_id, u32::from(bucket))
+        .with_context(|| format!("bucket {bucket} of VIP {vip_id} is out of range"))
 }
 
 /// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times

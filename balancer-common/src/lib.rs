@@ -123,8 +123,16 @@ pub struct BucketStats {
     pub picks: [u64; hint::BUCKET_CANDIDATES],
 }
 
-/// Buckets of all VIPs: VIP `v`'s bucket `b` is at `v * MAX_HINT_BUCKETS + b`.
+/// Buckets of all VIPs: VIP `v`'s bucket `b` is at [`bucket_slot`]`(v, b)`.
 pub const BUCKET_SLOTS: u32 = MAX_VIPS * hint::MAX_HINT_BUCKETS as u32;
+
+/// Where VIP `vip_id`'s bucket `bucket` lies in `BUCKETS` and `BUCKET_STATS`, if within
+/// [`BUCKET_SLOTS`].
+#[inline(always)]
+pub fn bucket_slot(vip_id: u32, bucket: u32) -> Option<u32> {
+    let slot = vip_id * hint::MAX_HINT_BUCKETS as u32 + bucket;
+    (slot < BUCKET_SLOTS).then_some(slot)
+}
 
 /// A backend server, indexed by its id in the backends array.
 #[repr(C)]

@@ -3,7 +3,7 @@
 //! alternate with the most room does. The agent decides homes, alternates and budgets; the
 //! program only counts, so the decision stays correct between two of the agent's updates.
 
-use balancer_common::{hint::MAX_HINT_BUCKETS, Counter, VipInfo, BUCKET_SLOTS};
+use balancer_common::{bucket_slot, Counter, VipInfo};
 
 use crate::{
     maps::{count, BUCKETS, BUCKET_STATS},
@@ -29,8 +29,9 @@ pub enum Hinted {
     /// The home (place 0) or a warm alternate (place 1..) takes it.
     Take(u32),
     /// A SYN whose home and warm alternates are all past their threshold: the weighted pick
-    /// decides, unless the home has at least as much room (the home, its room).
-    Full(u32, i64),
+    /// decides, unless the home has at least as much room. `slot` is the bucket's, for
+    /// [`record`].
+    Full { home: u32, room: i64, slot: u32 },
 }
 
 /// What the bucket of a hinted connection says, or None to use the Maglev pick. SYNs may
@@ -38,7 +39,7 @@ pub enum Hinted {
 /// went.
 #[inline(always)]
 pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<Hinted> {
-    let slot = slot(vip, bucket)?;
+    let slot = bucket_slot(vip.vip_id, bucket)?;
     let candidates = BUCKETS.get(slot)?.ids;
     let home = candidates[0];
     if home == 0 {
@@ -69,17 +70,14 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<Hinted> {
         i += 1;
     }
     if chosen == 0 {
-        return Some(Hinted::Full(home, home_room));
+        return Some(Hinted::Full {
+            home,
+            room: home_room,
+            slot,
+        });
     }
     record(slot, Some(chosen));
     Some(Hinted::Take(candidates[chosen]))
-}
-
-/// The bucket's place in `BUCKETS` and `BUCKET_STATS`.
-#[inline(always)]
-pub fn slot(vip: &VipInfo, bucket: u32) -> Option<u32> {
-    let slot = vip.vip_id * MAX_HINT_BUCKETS as u32 + bucket;
-    (slot < BUCKET_SLOTS).then_some(slot)
 }
 
 /// Counts a hinted SYN in its bucket's statistics and the counters: which candidate took it

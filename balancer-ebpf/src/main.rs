@@ -203,18 +203,19 @@ fn new_flow(
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
     }
-    let bucket = affinity::bucket(vip, pkt);
-    let id = match bucket.and_then(|b| affinity::pick(vip, b, syn)) {
+    let id = match affinity::bucket(vip, pkt).and_then(|b| affinity::pick(vip, b, syn)) {
         Some(Hinted::Take(id)) if present(id).is_some() => id,
-        Some(Hinted::Full(home, home_room)) => {
+        Some(Hinted::Full {
+            home,
+            room: home_room,
+            slot,
+        }) => {
             // Every candidate of the bucket is past its threshold: the home, which holds the
             // prefix, unless the weighted choice has more room.
             let (id, room) = maglev(vip, &pkt.key, syn)?;
             let home_wins = room.is_some_and(|r| home_room >= r) && present(home).is_some();
             let id = if home_wins { home } else { id };
-            if let Some(slot) = bucket.and_then(|b| affinity::slot(vip, b)) {
-                affinity::record(slot, home_wins.then_some(0));
-            }
+            affinity::record(slot, home_wins.then_some(0));
             id
         }
         _ => maglev(vip, &pkt.key, syn)?.0,
