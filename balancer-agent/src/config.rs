@@ -62,6 +62,12 @@ pub struct Agent {
     /// Where the agent serves its own Prometheus metrics (`GET /metrics`); none when absent.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
+    /// A directory on bpffs where the agent pins its maps and links. With it, the program
+    /// stays attached when the agent stops or dies, and the next agent takes its maps and
+    /// links over: open connections survive a restart or an upgrade. Without it, stopping
+    /// the agent detaches the program. Read at start only.
+    #[serde(default)]
+    pub pin_dir: Option<PathBuf>,
 }
 
 impl Agent {
@@ -295,6 +301,17 @@ impl Config {
         }
         if a.control_socket.as_os_str().is_empty() {
             return Err(("agent.control_socket".into(), "must not be empty".into()));
+        }
+        if let Some(dir) = &a.pin_dir {
+            if !dir.is_absolute() || dir.parent().is_none() {
+                return Err((
+                    "agent.pin_dir".into(),
+                    format!(
+                        "{} must be an absolute path below a bpffs mount",
+                        dir.display()
+                    ),
+                ));
+            }
         }
         if !(1024..=1 << 26).contains(&a.flow_table_entries) {
             return Err((

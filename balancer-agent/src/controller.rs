@@ -123,7 +123,11 @@ pub struct Controller {
 impl Controller {
     /// Fills the maps with the configured weights; the first scrapes refine them.
     pub fn new(config: Config, mut dp: Dataplane) -> Result<Self> {
-        let mut ids = Ids::default();
+        // Flows in pinned maps name the ids an earlier agent gave.
+        let mut ids = match dp.inherited()? {
+            Some(old) => Ids::recover(&config, &old.vips, &old.backends),
+            None => Ids::default(),
+        };
         let plan = ids.plan(&config, &Weights::new(), Instant::now())?;
         dp.apply(&plan)?;
         let mut c = Controller {

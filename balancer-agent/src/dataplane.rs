@@ -11,7 +11,11 @@ use std::{
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues},
-    programs::{xdp::XdpLinkId, Xdp, XdpMode},
+    programs::{
+        links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpLinkId},
+        Xdp, XdpMode,
+    },
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
@@ -21,7 +25,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{objects, plan::Plan};
+use crate::{objects, pins::Pins, plan::Plan};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -102,6 +106,14 @@ fn write_table(slots: &mut [u64], ids: &[u32]) {
     }
 }
 
+/// The ids an earlier agent wrote into maps it pinned.
+pub struct Inherited {
+    /// Each VIP and its id.
+    pub vips: Vec<(VipKey, u32)>,
+    /// Every backend entry in use, by id.
+    pub backends: Vec<(u32, Backend)>,
+}
+
 pub struct Dataplane {
     ebpf: Ebpf,
     vips: BpfHashMap<MapData, VipKey, VipInfo>,
@@ -124,6 +136,10 @@ pub struct Dataplane {
     /// What `REPLIES` holds now.
     installed_replies: HashMap<ReplyKey, Replies>,
     links: BTreeMap<String, XdpLinkId>,
+    /// Where maps and links are pinned, if they are (`agent.pin_dir`).
+    pins: Option<Pins>,
+    /// The maps came from an earlier agent's pins.
+    inherited: bool,
 }
 
 fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map> {
@@ -132,10 +148,20 @@ fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map> {
 }
 
 impl Dataplane {
-    /// Loads the program and creates its maps (the flow table with `flow_entries` entries).
-    pub fn load(flow_entries: u32) -> Result<Self> {
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries("FLOWS", flow_entries)
+    /// Loads the program and creates its maps (the flow table with `flow_entries` entries),
+    /// or, with `pins` holding an earlier agent's maps, opens those.
+    pub fn load(flow_entries: u32, pins: Option<Pins>) -> Result<Self> {
+        let inherited = match &pins {
+            Some(p) => p.inherited()?,
+            None => false,
+        };
+        let paths = pins.as_ref().map(Pins::map_paths).unwrap_or_default();
+        let mut loader = EbpfLoader::new();
+        loader.map_max_entries("FLOWS", flow_entries);
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
             .load(objects::BALANCER)
             .context("loading the XDP object")?;
         let prog: &mut Xdp = ebpf
@@ -168,7 +194,7 @@ impl Dataplane {
             "BUCKET_STATS",
             BUCKET_SLOTS * BUCKET_STAT_SLOTS,
         )?;
-        Ok(Dataplane {
+        let mut dp = Dataplane {
             ebpf,
             vips,
             backends,
@@ -186,7 +212,45 @@ impl Dataplane {
             installed: HashMap::new(),
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
-        })
+            pins,
+            inherited,
+        };
+        if inherited {
+            // The next plan flips each VIP to the table the program is not reading. REPLIES
+            // entries are not adopted: those the plan lacks belong to servers removed
+            // earlier, whose flows may still be open; they stay.
+            for item in dp.vips.iter() {
+                let (key, info) = item.context("reading the pinned VIPs")?;
+                dp.installed.insert(info.vip_id, (key, info));
+            }
+            if let Some(p) = &dp.pins {
+                info!(dir = %p.dir().display(), vips = dp.installed.len(), "took over the pinned maps");
+            }
+        }
+        Ok(dp)
+    }
+
+    /// What an earlier agent left in the pinned maps. None when the maps are new.
+    pub fn inherited(&self) -> Result<Option<Inherited>> {
+        if !self.inherited {
+            return Ok(None);
+        }
+        let vips = self
+            .installed
+            .values()
+            .map(|(key, info)| (*key, info.vip_id))
+            .collect();
+        let mut backends = Vec::new();
+        for id in 1..MAX_BACKENDS {
+            let b = self
+                .backends
+                .get(&id, 0)
+                .context("reading the pinned backends")?;
+            if b != Backend::default() {
+                backends.push((id, b));
+            }
+        }
+        Ok(Some(Inherited { vips, backends }))
     }
 
     /// The program itself, for attaching elsewhere or for BPF_PROG_TEST_RUN.
@@ -299,24 +363,32 @@ impl Dataplane {
     }
 
     /// Attaches to exactly `interfaces`: new ones are attached, others detached. Native mode
-    /// first; generic (skb) mode when the driver has no XDP support.
+    /// first; generic (skb) mode when the driver has no XDP support. With pins, an interface
+    /// whose link an earlier agent pinned gets this program swapped into that link, and a
+    /// new link is pinned.
     pub fn attach(&mut self, interfaces: &[String]) -> Result<()> {
         for name in interfaces {
             if self.links.contains_key(name) {
                 continue;
             }
-            let prog = self.program();
-            let link = match prog.attach(name, XdpMode::Driver) {
-                Ok(link) => link,
-                Err(native) => {
-                    let link = prog.attach(name, XdpMode::Skb).with_context(|| {
-                        format!("attaching to {name} (native mode failed too: {native})")
-                    })?;
-                    warn!(interface = %name, "native XDP unavailable ({native}); attached in generic mode");
-                    link
-                }
+            let pinned = self.pins.as_ref().map(|p| p.link(name));
+            let link = match pinned.filter(|p| p.exists()) {
+                Some(pin) => match self.take_over(&pin) {
+                    Ok(link) => {
+                        info!(interface = %name, "took over the pinned link");
+                        link
+                    }
+                    Err(e) => {
+                        // Its interface was deleted since (the link is defunct), or it is not
+                        // an XDP link: start afresh.
+                        warn!(interface = %name, "cannot take over {}: {e:#}; attaching anew", pin.display());
+                        std::fs::remove_file(&pin)
+                            .with_context(|| format!("unpinning {}", pin.display()))?;
+                        self.attach_new(name)?
+                    }
+                },
+                None => self.attach_new(name)?,
             };
-            info!(interface = %name, "attached");
             self.links.insert(name.clone(), link);
         }
         let stale: Vec<String> = self
@@ -331,6 +403,70 @@ impl Dataplane {
         Ok(())
     }
 
+    fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
+        let pin = self.pins.as_ref().map(|p| p.link(name));
+        let prog = self.program();
+        let mut link = match prog.attach(name, XdpMode::Driver) {
+            Ok(link) => link,
+            Err(native) => {
+                let link = prog.attach(name, XdpMode::Skb).with_context(|| {
+                    format!("attaching to {name} (native mode failed too: {native})")
+                })?;
+                warn!(interface = %name, "native XDP unavailable ({native}); attached in generic mode");
+                link
+            }
+        };
+        if let Some(pin) = pin {
+            // Pinning needs the link's fd out of the program's keeping; it goes back in
+            // through `attach_to_link`, which swaps in the program it already runs.
+            let fd = FdLink::try_from(prog.take_link(link)?)
+                .context("pinning needs a bpf_link (kernel 5.9 or later)")?;
+            let pinned = fd
+                .pin(&pin)
+                .with_context(|| format!("pinning the link of {name} at {}", pin.display()))?;
+            link = prog.attach_to_link(XdpLink::try_from(FdLink::from(pinned))?)?;
+        }
+        info!(interface = %name, "attached");
+        Ok(link)
+    }
+
+    /// Swaps this program into the XDP link pinned at `pin`, atomically: the interface
+    /// never runs without a program.
+    fn take_over(&mut self, pin: &std::path::Path) -> Result<XdpLinkId> {
+        let fd = FdLink::from(PinnedLink::from_pin(pin)?);
+        let link = XdpLink::try_from(fd)?;
+        Ok(self.program().attach_to_link(link)?)
+    }
+
+    /// Pinned interfaces that the configuration no longer lists: detached, so that a
+    /// restart with fewer interfaces does not leave the program on the others.
+    pub fn detach_unlisted_pins(&mut self, interfaces: &[String]) -> Result<()> {
+        let Some(pins) = &self.pins else {
+            return Ok(());
+        };
+        for name in pins.linked()? {
+            if !interfaces.contains(&name) && !self.links.contains_key(&name) {
+                let pin = pins.link(&name);
+                std::fs::remove_file(&pin)
+                    .with_context(|| format!("unpinning {}", pin.display()))?;
+                info!(interface = %name, "detached (no longer configured)");
+            }
+        }
+        Ok(())
+    }
+
+    /// On the way out: with pins, everything stays as it is for the next agent; without,
+    /// the program leaves every interface.
+    pub fn stop(&mut self) -> Result<()> {
+        match &self.pins {
+            Some(p) => {
+                info!(dir = %p.dir().display(), interfaces = self.links.len(), "left attached, pinned for the next agent");
+                Ok(())
+            }
+            None => self.detach_all(),
+        }
+    }
+
     pub fn detach_all(&mut self) -> Result<()> {
         let names: Vec<String> = self.links.keys().cloned().collect();
         for name in names {
@@ -341,6 +477,11 @@ impl Dataplane {
 
     fn detach_one(&mut self, name: &str) -> Result<()> {
         if let Some(link) = self.links.remove(name) {
+            // Unpinned first: the link goes when its last reference, ours, does.
+            if let Some(pin) = self.pins.as_ref().map(|p| p.link(name)) {
+                std::fs::remove_file(&pin)
+                    .with_context(|| format!("unpinning {}", pin.display()))?;
+            }
             self.program()
                 .detach(link)
                 .with_context(|| format!("detaching from {name}"))?;

@@ -11,6 +11,7 @@ pub mod hint;
 pub mod homes;
 pub mod maglev;
 pub mod objects;
+pub mod pins;
 pub mod plan;
 pub mod policy;
 pub mod run;

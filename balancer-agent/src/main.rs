@@ -22,8 +22,15 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Load the XDP program, attach it, fill its maps, and keep them current. SIGHUP reloads
-    /// the configuration; SIGINT or SIGTERM detach and exit.
+    /// the configuration; SIGINT or SIGTERM detach and exit (with `agent.pin_dir`, leave the
+    /// program attached and pinned for the next agent, which takes it over).
     Run {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Remove what a stopped agent left pinned in its `agent.pin_dir`: detaches the program
+    /// from every interface (open connections through the VIPs are lost) and unpins its maps.
+    Detach {
         #[arg(long, short)]
         config: PathBuf,
     },
@@ -139,6 +146,35 @@ fn execute(command: Command) -> Result<()> {
             .enable_all()
             .build()?
             .block_on(balancer_agent::run::run(&config)),
+        Command::Detach { config } => {
+            let c = Config::load(&config)?;
+            let Some(dir) = c.agent.pin_dir else {
+                bail!(
+                    "{}: agent.pin_dir is not set: nothing is pinned",
+                    config.display()
+                );
+            };
+            if call(&c.agent.control_socket, &Request::Counters).is_ok() {
+                bail!(
+                    "an agent answers on {}: stop it first (it holds the links)",
+                    c.agent.control_socket.display()
+                );
+            }
+            if !dir.exists() {
+                bail!("nothing is pinned at {}", dir.display());
+            }
+            let (interfaces, maps) = balancer_agent::pins::remove(&dir)?;
+            println!(
+                "detached from {}; unpinned {maps} maps from {}",
+                if interfaces.is_empty() {
+                    "no interface".to_owned()
+                } else {
+                    interfaces.join(", ")
+                },
+                dir.display()
+            );
+            Ok(())
+        }
         Command::Check { config } => {
             let c = Config::load(&config)?;
             println!("{}: ok", config.display());

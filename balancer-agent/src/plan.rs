@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{bail, Result};
 use balancer_common::{
-    addr_words, hint::HintRange, Backend, Replies, ReplyKey, VipKey, ALTERNATES_SIZE,
+    addr_words, hint::HintRange, words_addr, Backend, Replies, ReplyKey, VipKey, ALTERNATES_SIZE,
     BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
 };
 
@@ -106,6 +106,45 @@ impl Default for Ids {
 }
 
 impl Ids {
+    /// The ids an earlier agent gave, read back from the maps it pinned (`VIPS` and
+    /// `BACKENDS`): flows in the flow table name them, so they must not change hands. A
+    /// pool is found by its VIP, a backend by its VIP, address and port; a backend whose
+    /// pool is no longer configured keeps its id under a name no pool has, so that the first
+    /// plan retires it like any removed server.
+    pub fn recover(config: &Config, vips: &[(VipKey, u32)], backends: &[(u32, Backend)]) -> Ids {
+        let mut ids = Ids::default();
+        let mut pools = HashMap::new();
+        for pool in &config.pool {
+            let (addr, family) = addr_words(pool.vip);
+            let key = VipKey {
+                addr,
+                port: pool.port.to_be(),
+                proto: IPPROTO_TCP,
+                family,
+            };
+            if let Some((_, vip_id)) = vips.iter().find(|(k, _)| *k == key) {
+                ids.vips.insert(pool.name.clone(), *vip_id);
+                pools.insert(*vip_id, pool.name.clone());
+            }
+        }
+        for (id, b) in backends {
+            let Some(address) = words_addr(b.addr, b.family) else {
+                continue;
+            };
+            if b.flags & BACKEND_F_PRESENT == 0 || *id == 0 || *id >= MAX_BACKENDS {
+                continue;
+            }
+            let pool = pools
+                .get(&b.vip_id)
+                .cloned()
+                .unwrap_or_else(|| format!("\0gone VIP {}", b.vip_id));
+            ids.backends
+                .insert((pool, address, u16::from_be(b.port)), *id);
+            ids.next_backend = ids.next_backend.max(id + 1);
+        }
+        ids
+    }
+
     /// Assigns ids for `config` and computes the maps' contents. Fails, changing nothing,
     /// when the ids run out.
     pub fn plan(&mut self, config: &Config, weights: &Weights, now: Instant) -> Result<Plan> {
@@ -163,6 +202,7 @@ impl Ids {
                         port: s.port.to_be(),
                         family,
                         flags: BACKEND_F_PRESENT,
+                        vip_id,
                     },
                 ));
                 let addr = SocketAddr::new(s.address, s.port);
@@ -462,6 +502,57 @@ mod tests {
         assert_eq!(
             reply_vips(&plan, 11),
             vec![plan.vips[0].key, plan.vips[1].key]
+        );
+    }
+
+    #[test]
+    fn a_new_agent_recovers_the_ids_from_the_maps() {
+        let two_pools = "[agent]\ninterfaces=[\"eth0\"]\n\
+            [[pool]]\nname=\"a\"\nvip=\"192.0.2.60\"\nport=8000\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.4.0.12\"\nport=8000\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.4.0.13\"\nport=8080\nmetrics_port=8001\n\
+            [[pool]]\nname=\"b\"\nvip=\"192.0.2.61\"\nport=9000\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n";
+        let first = Ids::default()
+            .plan(
+                &Config::parse(Path::new("t.toml"), two_pools).unwrap(),
+                &Weights::new(),
+                Instant::now(),
+            )
+            .unwrap();
+        let vips: Vec<(VipKey, u32)> = first.vips.iter().map(|v| (v.key, v.vip_id)).collect();
+        let ids_of = |plan: &Plan, pool: &str| -> Vec<(SocketAddr, u32)> {
+            plan.vips
+                .iter()
+                .find(|v| v.pool == pool)
+                .unwrap()
+                .members
+                .clone()
+        };
+        // While no agent ran, pool `b` went away and a renamed `a` lost 10.4.0.12 and
+        // gained 10.4.0.14, in another order.
+        let now = "[agent]\ninterfaces=[\"eth0\"]\n\
+            [[pool]]\nname=\"a2\"\nvip=\"192.0.2.60\"\nport=8000\n\
+            [[pool.server]]\naddress=\"10.4.0.14\"\nport=8000\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.4.0.13\"\nport=8080\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n";
+        let now = Config::parse(Path::new("t.toml"), now).unwrap();
+        let mut ids = Ids::recover(&now, &vips, &first.backends);
+        let second = ids.plan(&now, &Weights::new(), Instant::now()).unwrap();
+        let (a, a2) = (ids_of(&first, "a"), ids_of(&second, "a2"));
+        assert_eq!(second.vips[0].vip_id, first.vips[0].vip_id);
+        assert_eq!(a2[1], a[2], "a server on another port keeps its id");
+        assert_eq!(a2[2], a[0]);
+        let taken: Vec<u32> = first.backends.iter().map(|(id, _)| *id).collect();
+        assert!(!taken.contains(&a2[0].1), "a new server gets a fresh id");
+        let mut retired = vec![a[1].1, ids_of(&first, "b")[0].1];
+        retired.sort_unstable();
+        assert_eq!(second.retired, retired);
+        assert_eq!(
+            reply_vips(&second, 12),
+            vec![first.vips[0].key],
+            "a server removed from a pool that stays still gets its flows' replies"
         );
     }
 

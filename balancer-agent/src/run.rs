@@ -1,6 +1,7 @@
 //! `balancer-agent run`: load, fill the maps, attach, then keep them current: scrapes,
 //! counter folds and health checks each on their own schedule, the control socket, and
-//! signals (SIGHUP reloads the configuration; SIGINT and SIGTERM detach and exit).
+//! signals (SIGHUP reloads the configuration; SIGINT and SIGTERM detach and exit, or with
+//! `agent.pin_dir` leave the program attached for the next agent).
 
 use std::{
     os::unix::fs::PermissionsExt,
@@ -26,6 +27,7 @@ use crate::{
     dataplane::Dataplane,
     exporter,
     health::Checker,
+    pins::Pins,
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
 };
 
@@ -56,12 +58,24 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let socket_path = config.agent.control_socket.clone();
     let listener = bind_control_socket(&socket_path)?;
-    let dp = Dataplane::load(config.agent.flow_table_entries)?;
+    let entries = config.agent.flow_table_entries;
+    let pins = match &config.agent.pin_dir {
+        Some(dir) => Some(Pins::open(dir, entries)?),
+        None => None,
+    };
+    let dp = Dataplane::load(entries, pins)?;
     let interfaces = config.agent.interfaces.clone();
     // Maps first: a program attached to empty maps would pass VIP traffic to the stack.
     let ctl = Arc::new(Mutex::new(Controller::new(config.clone(), dp)?));
-    if let Err(e) = lock(&ctl).dataplane().attach(&interfaces) {
-        lock(&ctl).dataplane().detach_all().ok();
+    let attached = {
+        let mut c = lock(&ctl);
+        let dp = c.dataplane();
+        dp.attach(&interfaces)
+            .and_then(|()| dp.detach_unlisted_pins(&interfaces))
+    };
+    if let Err(e) = attached {
+        // Pinned links stay: they carry the open connections, whichever program they run.
+        lock(&ctl).dataplane().stop().ok();
         return Err(e);
     }
     info!(
@@ -94,7 +108,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         t.abort();
     }
     std::fs::remove_file(&socket_path).ok();
-    lock(&ctl).dataplane().detach_all()?;
+    lock(&ctl).dataplane().stop()?;
     info!("stopped");
     Ok(())
 }
@@ -116,6 +130,9 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     }
     if new.agent.metrics_listen != old.metrics_listen {
         warn!("agent.metrics_listen changes only when the agent restarts");
+    }
+    if new.agent.pin_dir != old.pin_dir {
+        warn!("agent.pin_dir changes only when the agent restarts");
     }
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();

@@ -35,6 +35,9 @@ pub const ALTERNATES_SIZE: u32 = 1021;
 pub const ALTERNATES_SLOTS: u32 = MAX_VIPS * ALTERNATES_SIZE;
 /// Default number of flow-table entries, one per connection.
 pub const DEFAULT_FLOW_ENTRIES: u32 = 1 << 18;
+/// The meaning of the maps an agent pins (`agent.pin_dir`): bumped whenever a pinned map's
+/// layout or meaning changes, so that an agent never takes over maps it would misread.
+pub const PIN_LAYOUT: u32 = 1;
 /// Default idle timeout of a flow.
 pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 600;
 
@@ -53,6 +56,21 @@ pub fn addr_words(ip: core::net::IpAddr) -> ([u32; 4], u8) {
             }
             (w, FAMILY_V6)
         }
+    }
+}
+
+/// The address `addr_words` stored, if `family` is one of ours.
+pub fn words_addr(words: [u32; 4], family: u8) -> Option<core::net::IpAddr> {
+    match family {
+        FAMILY_V4 => Some(core::net::Ipv4Addr::from(words[0].to_ne_bytes()).into()),
+        FAMILY_V6 => {
+            let mut o = [0u8; 16];
+            for (i, word) in words.iter().enumerate() {
+                o[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+            }
+            Some(core::net::Ipv6Addr::from(o).into())
+        }
+        _ => None,
     }
 }
 
@@ -144,6 +162,10 @@ pub struct Backend {
     pub family: u8,
     /// `BACKEND_F_*` bits.
     pub flags: u8,
+    /// The VIP of the pool this backend serves (a server in two pools has two ids). The
+    /// program does not read it: an agent that takes over pinned maps recovers its ids from
+    /// it.
+    pub vip_id: u32,
 }
 
 /// The slot holds a configured backend. Entries of removed servers keep this bit until no
@@ -403,13 +425,23 @@ mod tests {
         assert_eq!(size_of::<Bucket>(), 16);
         assert_eq!(size_of::<BackendLoad>(), 24);
         assert_eq!(size_of::<BucketStats>(), 48);
-        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 88);
         assert_eq!(size_of::<NextHop>(), 24);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);
+    }
+
+    #[test]
+    fn addresses_come_back_from_their_words() {
+        for ip in ["192.0.2.60", "10.4.0.11", "2001:db8::60", "fd00:4::11"] {
+            let ip: core::net::IpAddr = ip.parse().unwrap();
+            let (words, family) = addr_words(ip);
+            assert_eq!(words_addr(words, family), Some(ip));
+        }
+        assert_eq!(words_addr([1, 0, 0, 0], 0), None);
     }
 
     #[test]

@@ -189,7 +189,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         );
     }
     let config = Config::parse(std::path::Path::new("bench.toml"), &text)?;
-    let mut dp = Dataplane::load(config.agent.flow_table_entries)?;
+    let mut dp = Dataplane::load(config.agent.flow_table_entries, None)?;
     let plan_maps = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
     dp.apply(&plan_maps)?;
     // Every bucket's home is the one backend, with room to spare: hinted SYNs take the

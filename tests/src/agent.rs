@@ -44,6 +44,10 @@ pub struct AgentSection {
     pub rise: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flow_table_entries: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pin_dir: Option<PathBuf>,
 }
 
 /// `[[pool]]`; as in [`AgentSection`], `None` keys are left to the agent's defaults.
@@ -120,6 +124,8 @@ impl AgentConfig {
                 fall: None,
                 rise: None,
                 metrics_listen: None,
+                flow_table_entries: None,
+                pin_dir: None,
             },
             pools: vec![pool("chat-v4", Family::V4), pool("chat-v6", Family::V6)],
         }
@@ -207,6 +213,40 @@ impl<'t> Agent<'t> {
             socket: config.agent.control_socket.clone(),
             _topology: PhantomData,
         })
+    }
+
+    /// Starts the agent with `config`, which it must refuse: returns its `error:` line.
+    pub fn start_refused(
+        topology: &Topology,
+        binary: &Path,
+        config: &AgentConfig,
+    ) -> Result<String> {
+        let path = topology.dir().join("agent-refused.toml");
+        config.write(&path)?;
+        let mut cmd = topology.gw().command(binary);
+        cmd.args(["run", "--config"]).arg(&path);
+        let log = topology.dir().join("agent-refused.log");
+        let mut process = Process::spawn("balancer-agent (to be refused)", cmd, &log)?;
+        let line = process.wait_for_line(0, READY_TIMEOUT, |line| {
+            line.starts_with("error:")
+                || line
+                    .split(|c: char| !c.is_ascii_alphanumeric())
+                    .any(|word| word == "ready")
+        })?;
+        ensure!(line.starts_with("error:"), "the agent started: {line}");
+        let status = process.stop(STOP_GRACE)?;
+        ensure!(
+            !status.success(),
+            "the agent printed {line:?} and exited with {status}"
+        );
+        Ok(line)
+    }
+
+    /// SIGKILL, as a crash: the agent gets no chance to clean up.
+    pub fn kill(mut self) -> Result<()> {
+        self.process.signal(libc::SIGKILL)?;
+        self.process.stop(STOP_GRACE)?;
+        Ok(())
     }
 
     /// Rewrites the config file, sends SIGHUP and waits for the agent to report the reload.

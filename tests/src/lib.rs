@@ -77,8 +77,11 @@ pub fn child_processes() -> Result<Vec<String>> {
 pub fn check_nothing_remains() -> Result<()> {
     let namespaces = netns::remaining()?;
     let children = child_processes()?;
-    if !namespaces.is_empty() || !children.is_empty() {
-        bail!("left behind: namespaces {namespaces:?}, child processes {children:?}");
+    let pins = netns::remaining_pins()?;
+    if !namespaces.is_empty() || !children.is_empty() || !pins.is_empty() {
+        bail!(
+            "left behind: namespaces {namespaces:?}, child processes {children:?}, pins {pins:?}"
+        );
     }
     Ok(())
 }

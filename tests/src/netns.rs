@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 
 use crate::process::{run, Process};
 
@@ -158,6 +158,101 @@ pub fn temp_dir() -> Result<tempfile::TempDir> {
         .context("creating a temporary directory")
 }
 
+/// A bpffs of its own for an agent's pins (`agent.pin_dir`), mounted on a temporary
+/// directory named like our namespaces so that [`sweep_stale`] finds it if this run dies.
+/// Its own because `ip netns exec` gives the agent a fresh `/sys`, without the host's
+/// `/sys/fs/bpf`. Dropping it unmounts it, which unpins whatever is left there: the program
+/// leaves the interfaces whose links were pinned.
+pub struct PinDir {
+    mount: std::path::PathBuf,
+}
+
+impl PinDir {
+    pub fn new(role: &str) -> Result<Self> {
+        let mount =
+            std::env::temp_dir().join(format!("{PREFIX}{}-{role}-bpffs", std::process::id()));
+        std::fs::create_dir(&mount).with_context(|| format!("creating {}", mount.display()))?;
+        let dir = PinDir { mount };
+        let target = std::ffi::CString::new(dir.mount.as_os_str().as_encoded_bytes())?;
+        // SAFETY: NUL-terminated strings that outlive the call; no mount data.
+        let rc = unsafe {
+            libc::mount(
+                c"bpf".as_ptr(),
+                target.as_ptr(),
+                c"bpf".as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
+        ensure!(
+            rc == 0,
+            "mounting bpffs on {}: {}",
+            dir.mount.display(),
+            std::io::Error::last_os_error()
+        );
+        Ok(dir)
+    }
+
+    /// The pin directory itself, inside the mount: the agent creates it.
+    pub fn path(&self) -> std::path::PathBuf {
+        self.mount.join("balancer")
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        unmount(&self.mount);
+        if let Err(e) = std::fs::remove_dir(&self.mount) {
+            eprintln!("removing {}: {e}", self.mount.display());
+        }
+    }
+}
+
+/// Detaches the mount at `path` (lazily: nothing can keep it busy).
+fn unmount(path: &Path) {
+    let Ok(target) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    // SAFETY: a NUL-terminated path that outlives the call.
+    if unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) } != 0 {
+        eprintln!(
+            "unmounting {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Our bpffs mounts that this process made and that are still mounted.
+pub fn remaining_pins() -> Result<Vec<String>> {
+    let me = libc::pid_t::try_from(std::process::id())?;
+    Ok(bpffs_mounts()?
+        .into_iter()
+        .filter(|(_, pid)| *pid == me)
+        .map(|(path, _)| path.display().to_string())
+        .collect())
+}
+
+/// Our bpffs mounts and the pid of the test run that made each.
+fn bpffs_mounts() -> Result<Vec<(std::path::PathBuf, libc::pid_t)>> {
+    let mounts =
+        std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    let tmp = std::env::temp_dir();
+    Ok(mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_, point, kind) = (fields.next()?, fields.next()?, fields.next()?);
+            let point = Path::new(point);
+            if kind != "bpf" || point.parent()? != tmp {
+                return None;
+            }
+            let pid = owner(&point.file_name()?.to_string_lossy())?;
+            Some((point.to_owned(), pid))
+        })
+        .collect())
+}
+
 /// Deletes the namespaces of test runs that are no longer alive (crashed or killed before
 /// their guards ran) with whatever still runs inside them, and their temporary directories.
 pub fn sweep_stale() -> Result<()> {
@@ -165,6 +260,13 @@ pub fn sweep_stale() -> Result<()> {
         if !alive(pid) {
             eprintln!("deleting namespace {name}, left by dead test run {pid}");
             delete(&name)?;
+        }
+    }
+    // Before the directories: a mount would keep its mount point busy.
+    for (path, pid) in bpffs_mounts()? {
+        if !alive(pid) {
+            eprintln!("unmounting {}, left by dead test run {pid}", path.display());
+            unmount(&path);
         }
     }
     for entry in std::fs::read_dir(std::env::temp_dir())? {

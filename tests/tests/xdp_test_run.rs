@@ -288,7 +288,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
     let result = ns.enter(|| {
         let nets = [v4(), v6()];
         let config = config(&nets);
-        let mut dp = Dataplane::load(1 << 16)?;
+        let mut dp = Dataplane::load(1 << 16, None)?;
         let plan = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
         dp.apply(&plan)?;
         // Room everywhere: every SYN keeps its first Maglev draw unless a case says otherwise.

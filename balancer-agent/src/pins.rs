@@ -1,0 +1,253 @@
+//! State that outlives the agent (`agent.pin_dir`): the program's maps and its XDP links,
+//! pinned in bpffs. While they are pinned the program stays attached and keeps forwarding
+//! with the last tables when no agent runs, and the next agent takes them over: it loads its
+//! program onto the same maps and swaps it into the same links (`bpf_link_update`), so no
+//! packet meets a detached interface and no open connection loses its flow entry.
+//!
+//! Layout: `DIR/maps-vN/NAME` for every map of the program, N being
+//! [`PIN_LAYOUT`], and `DIR/links/INTERFACE` for each attached interface.
+
+use std::{
+    collections::BTreeMap,
+    ffi::CString,
+    os::unix::ffi::OsStrExt,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{bail, Context, Result};
+use aya::maps::MapInfo;
+use balancer_common::PIN_LAYOUT;
+
+use crate::objects;
+
+/// `f_type` of a bpffs mount (`BPF_FS_MAGIC`).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// What a map must be for this build's program to use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} entries of {} + {} bytes, flags {:#x}",
+            self.max_entries, self.key_size, self.value_size, self.flags
+        )
+    }
+}
+
+pub struct Pins {
+    dir: PathBuf,
+    /// Every map the program declares, by name, and its shape.
+    maps: BTreeMap<String, Shape>,
+}
+
+impl Pins {
+    /// The pins under `dir`, which must be on bpffs; creates the directories. `flow_entries`
+    /// is the flow table's configured size.
+    pub fn open(dir: &Path, flow_entries: u32) -> Result<Self> {
+        on_bpffs(dir)?;
+        let object = aya_obj::Object::parse(objects::BALANCER).context("parsing the XDP object")?;
+        let maps = object
+            .maps
+            .iter()
+            .filter(|(name, _)| !name.starts_with('.'))
+            .map(|(name, m)| {
+                let max_entries = if name == "FLOWS" {
+                    flow_entries
+                } else {
+                    m.max_entries()
+                };
+                let shape = Shape {
+                    key_size: m.key_size(),
+                    value_size: m.value_size(),
+                    max_entries,
+                    flags: m.map_flags(),
+                };
+                (name.clone(), shape)
+            })
+            .collect();
+        let pins = Pins {
+            dir: dir.to_owned(),
+            maps,
+        };
+        for d in [pins.maps_dir(), pins.links_dir()] {
+            std::fs::create_dir_all(&d)
+                .with_context(|| format!("agent.pin_dir: creating {}", d.display()))?;
+        }
+        Ok(pins)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn maps_dir(&self) -> PathBuf {
+        self.dir.join(format!("maps-v{PIN_LAYOUT}"))
+    }
+
+    fn links_dir(&self) -> PathBuf {
+        self.dir.join("links")
+    }
+
+    /// Every map's name and where it is pinned.
+    pub fn map_paths(&self) -> Vec<(String, PathBuf)> {
+        let dir = self.maps_dir();
+        self.maps
+            .keys()
+            .map(|name| (name.clone(), dir.join(name)))
+            .collect()
+    }
+
+    /// Where the link of `interface` is pinned.
+    pub fn link(&self, interface: &str) -> PathBuf {
+        self.links_dir().join(interface)
+    }
+
+    /// Whether an earlier agent left maps this build can take over. Fails, touching
+    /// nothing, when what is pinned does not fit: maps of another layout while links are
+    /// pinned (the program attached now reads those), a map of another shape (another
+    /// build, or a changed `flow_table_entries`), or only some of the maps.
+    pub fn inherited(&self) -> Result<bool> {
+        let fix = format!(
+            "`balancer-agent detach --config FILE` removes what {} holds (the connections \
+             through it are lost)",
+            self.dir.display()
+        );
+        let links = entries(&self.links_dir())?;
+        let ours = format!("maps-v{PIN_LAYOUT}");
+        for other in entries(&self.dir)? {
+            let name = other.to_string_lossy();
+            if name.starts_with("maps-v") && name != ours && !links.is_empty() {
+                bail!(
+                    "{} holds maps of another build ({name}, this one uses maps-v{PIN_LAYOUT}) \
+                     and links to a program that uses them; {fix}",
+                    self.dir.display()
+                );
+            }
+        }
+        let mut found = Vec::new();
+        let mut missing = Vec::new();
+        for (name, path) in self.map_paths() {
+            if !path.exists() {
+                missing.push(name);
+                continue;
+            }
+            let info = MapInfo::from_pin(&path)
+                .with_context(|| format!("reading the pinned map {}", path.display()))?;
+            let pinned = Shape {
+                key_size: info.key_size(),
+                value_size: info.value_size(),
+                max_entries: info.max_entries(),
+                flags: info.map_flags(),
+            };
+            let want = self.maps[&name];
+            if pinned != want {
+                let hint = if name == "FLOWS" && pinned.max_entries != want.max_entries {
+                    format!(
+                        " (agent.flow_table_entries is {}; the pinned table has {})",
+                        want.max_entries, pinned.max_entries
+                    )
+                } else {
+                    String::new()
+                };
+                bail!(
+                    "the pinned map {} has {pinned}, where this agent needs {want}{hint}; \
+                     {fix}",
+                    path.display()
+                );
+            }
+            found.push(name);
+        }
+        if !found.is_empty() && !missing.is_empty() {
+            bail!(
+                "{} holds some of the maps ({}) but not {}; {fix}",
+                self.maps_dir().display(),
+                found.join(", "),
+                missing.join(", ")
+            );
+        }
+        Ok(!found.is_empty())
+    }
+
+    /// Interfaces with a pinned link.
+    pub fn linked(&self) -> Result<Vec<String>> {
+        Ok(entries(&self.links_dir())?
+            .into_iter()
+            .map(|n| n.to_string_lossy().into_owned())
+            .collect())
+    }
+}
+
+/// Unpins everything under `dir`: links first (each detaches once no agent holds it), then
+/// maps. Returns the interfaces it detached and how many maps it unpinned.
+pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
+    on_bpffs(dir)?;
+    let mut interfaces = Vec::new();
+    let links = dir.join("links");
+    for name in entries(&links)? {
+        let path = links.join(&name);
+        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        interfaces.push(name.to_string_lossy().into_owned());
+    }
+    let mut maps = 0;
+    for sub in entries(dir)? {
+        let sub = dir.join(sub);
+        if sub.is_dir() {
+            for name in entries(&sub)? {
+                let path = sub.join(name);
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("unpinning {}", path.display()))?;
+                maps += 1;
+            }
+            std::fs::remove_dir(&sub).with_context(|| format!("removing {}", sub.display()))?;
+        }
+    }
+    std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    Ok((interfaces, maps))
+}
+
+/// The names in `dir`, sorted; none when it does not exist.
+fn entries(dir: &Path) -> Result<Vec<std::ffi::OsString>> {
+    let read = match std::fs::read_dir(dir) {
+        Ok(read) => read,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+    };
+    let mut names = read
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<std::io::Result<Vec<_>>>()
+        .with_context(|| format!("reading {}", dir.display()))?;
+    names.sort();
+    Ok(names)
+}
+
+/// Pins can only live on bpffs: checks the nearest existing ancestor of `dir`.
+fn on_bpffs(dir: &Path) -> Result<()> {
+    let existing = dir
+        .ancestors()
+        .find(|a| a.exists())
+        .context("agent.pin_dir has no existing ancestor")?;
+    let path = CString::new(existing.as_os_str().as_bytes()).context("agent.pin_dir")?;
+    // SAFETY: a zeroed statfs is a valid buffer; the path is NUL-terminated.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut fs) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("agent.pin_dir: statfs {}", existing.display()));
+    }
+    if fs.f_type as i64 != BPF_FS_MAGIC {
+        bail!(
+            "agent.pin_dir: {} is not on a bpffs mount ({} is not bpffs; mount one with \
+             `mount -t bpf bpf /sys/fs/bpf`)",
+            dir.display(),
+            existing.display()
+        );
+    }
+    Ok(())
+}
