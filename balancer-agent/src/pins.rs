@@ -46,6 +46,8 @@ pub struct Pins {
     dir: PathBuf,
     /// Every map the program declares, by name, and its shape.
     maps: BTreeMap<String, Shape>,
+    /// The directory, locked: one agent at a time writes the maps.
+    _lock: std::fs::File,
 }
 
 impl Pins {
@@ -73,9 +75,12 @@ impl Pins {
                 (name.clone(), shape)
             })
             .collect();
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("agent.pin_dir: creating {}", dir.display()))?;
         let pins = Pins {
             dir: dir.to_owned(),
             maps,
+            _lock: lock(dir)?,
         };
         for d in [pins.maps_dir(), pins.links_dir()] {
             std::fs::create_dir_all(&d)
@@ -189,6 +194,7 @@ impl Pins {
 /// maps. Returns the interfaces it detached and how many maps it unpinned.
 pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
     on_bpffs(dir)?;
+    let held = lock(dir)?;
     let mut interfaces = Vec::new();
     let links = dir.join("links");
     for name in entries(&links)? {
@@ -209,8 +215,29 @@ pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
             std::fs::remove_dir(&sub).with_context(|| format!("removing {}", sub.display()))?;
         }
     }
+    drop(held);
     std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
     Ok((interfaces, maps))
+}
+
+/// An exclusive lock on `dir`, held while the returned file is open: a second agent on the
+/// same pins would fight the first over every map.
+fn lock(dir: &Path) -> Result<std::fs::File> {
+    let file = std::fs::File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    // SAFETY: a valid fd, owned by `file` for the call.
+    if unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    } != 0
+    {
+        bail!(
+            "another agent is using {} (agent.pin_dir): stop it first",
+            dir.display()
+        );
+    }
+    Ok(file)
 }
 
 /// The names in `dir`, sorted; none when it does not exist.

@@ -186,9 +186,16 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     );
     probe(topology, "after the refused start")?;
 
-    // 4. Takeover again; the counters go on.
+    // 4. Takeover again; the counters go on. No second agent may share the pins.
     let third = Agent::start(topology, binary, &config)?;
     probe(topology, "with the third agent")?;
+    let mut rival = config.clone();
+    rival.agent.control_socket = topology.dir().join("rival.sock");
+    let refused = Agent::start_refused(topology, binary, &rival)?;
+    ensure!(
+        refused.contains("another agent is using"),
+        "a second agent on the same pins: {refused}"
+    );
     let total = counter(&third, "flow_new_syn")?;
     ensure!(
         // The probes since: after the crash, with the second agent, after the stop, after
