@@ -19,7 +19,7 @@ use crate::{
     dataplane::Dataplane,
     dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
     health::{Outcome, Track, Transition},
-    plan::{Ids, Weights},
+    plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
 };
 
@@ -123,12 +123,20 @@ pub struct Controller {
 impl Controller {
     /// Fills the maps with the configured weights; the first scrapes refine them.
     pub fn new(config: Config, mut dp: Dataplane) -> Result<Self> {
-        // Flows in pinned maps name the ids an earlier agent gave.
-        let mut ids = match dp.inherited()? {
+        // Flows in pinned maps name the ids an earlier agent gave, and the servers it was
+        // draining must not take a connection in between.
+        let Recovered { mut ids, draining } = match dp.inherited()? {
             Some(old) => Ids::recover(&config, &old.vips, &old.backends),
-            None => Ids::default(),
+            None => Recovered {
+                ids: Ids::default(),
+                draining: Vec::new(),
+            },
         };
-        let plan = ids.plan(&config, &Weights::new(), Instant::now())?;
+        let mut weights = Weights::new();
+        for server in &draining {
+            weights.drain(server.clone());
+        }
+        let plan = ids.plan(&config, &weights, Instant::now())?;
         dp.apply(&plan)?;
         let mut c = Controller {
             config: Config {
@@ -143,6 +151,13 @@ impl Controller {
             vip_ids: HashMap::new(),
         };
         c.adopt(config, &plan);
+        for key in draining {
+            if let Some(s) = c.servers.get_mut(&key) {
+                s.draining = true;
+                s.drain_started = Some(Instant::now());
+                info!(pool = %key.0, server = %key.1, "draining, as the previous agent left it");
+            }
+        }
         c.refresh_affinity();
         Ok(c)
     }
@@ -246,6 +261,9 @@ impl Controller {
             for s in &pool.server {
                 let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
                 if let Some(server) = self.servers.get(&key) {
+                    if server.draining {
+                        w.drain(key.clone());
+                    }
                     if server.state() != State::Up {
                         w.exclude(key.clone());
                     }

@@ -10,7 +10,8 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_common::{
     addr_words, hint::HintRange, words_addr, Backend, Replies, ReplyKey, VipKey, ALTERNATES_SIZE,
-    BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
+    BACKEND_F_DRAINING, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS,
+    MAX_VIPS,
 };
 
 use crate::{
@@ -56,6 +57,7 @@ pub struct Plan {
 pub struct Weights {
     decided: HashMap<(String, SocketAddr), u32>,
     ineligible: HashSet<(String, SocketAddr)>,
+    draining: HashSet<(String, SocketAddr)>,
 }
 
 impl Weights {
@@ -72,6 +74,20 @@ impl Weights {
     pub fn exclude(&mut self, server: (String, SocketAddr)) {
         self.ineligible.insert(server);
     }
+
+    /// `server` of `pool` is drained: in neither table, and marked so in `BACKENDS`.
+    pub fn drain(&mut self, server: (String, SocketAddr)) {
+        self.insert(server.clone(), 0);
+        self.exclude(server.clone());
+        self.draining.insert(server);
+    }
+}
+
+/// What [`Ids::recover`] reads back from pinned maps.
+pub struct Recovered {
+    pub ids: Ids,
+    /// Servers the earlier agent was draining.
+    pub draining: Vec<(String, SocketAddr)>,
 }
 
 /// A server's identity: the same server in two pools gets two ids, so that its per-pool
@@ -111,8 +127,13 @@ impl Ids {
     /// pool is found by its VIP, a backend by its VIP, address and port; a backend whose
     /// pool is no longer configured keeps its id under a name no pool has, so that the first
     /// plan retires it like any removed server.
-    pub fn recover(config: &Config, vips: &[(VipKey, u32)], backends: &[(u32, Backend)]) -> Ids {
+    pub fn recover(
+        config: &Config,
+        vips: &[(VipKey, u32)],
+        backends: &[(u32, Backend)],
+    ) -> Recovered {
         let mut ids = Ids::default();
+        let mut draining = Vec::new();
         let mut pools = HashMap::new();
         for pool in &config.pool {
             let (addr, family) = addr_words(pool.vip);
@@ -138,11 +159,14 @@ impl Ids {
                 .get(&b.vip_id)
                 .cloned()
                 .unwrap_or_else(|| format!("\0gone VIP {}", b.vip_id));
-            ids.backends
-                .insert((pool, address, u16::from_be(b.port)), *id);
+            let port = u16::from_be(b.port);
+            if b.flags & BACKEND_F_DRAINING != 0 {
+                draining.push((pool.clone(), SocketAddr::new(address, port)));
+            }
+            ids.backends.insert((pool, address, port), *id);
             ids.next_backend = ids.next_backend.max(id + 1);
         }
-        ids
+        Recovered { ids, draining }
     }
 
     /// Assigns ids for `config` and computes the maps' contents. Fails, changing nothing,
@@ -195,19 +219,24 @@ impl Ids {
                 };
                 next.backends.insert(key, id);
                 let (addr, family) = addr_words(s.address);
+                let server = (pool.name.clone(), SocketAddr::new(s.address, s.port));
+                let drained = if weights.draining.contains(&server) {
+                    BACKEND_F_DRAINING
+                } else {
+                    0
+                };
                 plan.backends.push((
                     id,
                     Backend {
                         addr,
                         port: s.port.to_be(),
                         family,
-                        flags: BACKEND_F_PRESENT,
+                        flags: BACKEND_F_PRESENT | drained,
                         vip_id,
                     },
                 ));
-                let addr = SocketAddr::new(s.address, s.port);
+                let addr = server.1;
                 keys.push((id, addr.to_string()));
-                let server = (pool.name.clone(), addr);
                 let weight = weights.decided.get(&server).copied().unwrap_or(s.weight);
                 let eligible = if weights.ineligible.contains(&server) {
                     0
@@ -538,8 +567,32 @@ mod tests {
             [[pool.server]]\naddress=\"10.4.0.13\"\nport=8080\nmetrics_port=8001\n\
             [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n";
         let now = Config::parse(Path::new("t.toml"), now).unwrap();
-        let mut ids = Ids::recover(&now, &vips, &first.backends);
-        let second = ids.plan(&now, &Weights::new(), Instant::now()).unwrap();
+        let mut backends = first.backends.clone();
+        let drained = ids_of(&first, "a")[0];
+        backends
+            .iter_mut()
+            .find(|(id, _)| *id == drained.1)
+            .unwrap()
+            .1
+            .flags |= BACKEND_F_DRAINING;
+        let Recovered { mut ids, draining } = Ids::recover(&now, &vips, &backends);
+        assert_eq!(draining, vec![("a2".to_string(), drained.0)]);
+        let mut weights = Weights::new();
+        weights.drain(draining[0].clone());
+        let second = ids.plan(&now, &weights, Instant::now()).unwrap();
+        let flags = |plan: &Plan, id: u32| {
+            plan.backends
+                .iter()
+                .find(|(i, _)| *i == id)
+                .unwrap()
+                .1
+                .flags
+        };
+        assert_eq!(
+            flags(&second, drained.1),
+            BACKEND_F_PRESENT | BACKEND_F_DRAINING
+        );
+        assert!(!second.vips[0].table.contains(&drained.1));
         let (a, a2) = (ids_of(&first, "a"), ids_of(&second, "a2"));
         assert_eq!(second.vips[0].vip_id, first.vips[0].vip_id);
         assert_eq!(a2[1], a[2], "a server on another port keeps its id");

@@ -171,6 +171,9 @@ pub struct Backend {
 /// The slot holds a configured backend. Entries of removed servers keep this bit until no
 /// flow can refer to them any more, so that established flows keep their backend.
 pub const BACKEND_F_PRESENT: u8 = 1;
+/// The operator drains this backend. The program does not read it (a draining backend has
+/// no slot in any table): an agent that takes over pinned maps goes on draining it.
+pub const BACKEND_F_DRAINING: u8 = 2;
 
 /// A flow as the client sends it (client -> VIP): the flow table's key. A reply finds it
 /// through [`Replies`].

@@ -1,16 +1,19 @@
 //! Restarts that lose nothing (`agent.pin_dir`), end to end over namespaces with four
-//! simulators: streams opened through the VIP run on, token after token, while
+//! simulators. The first agent drains one server, then streams open through the VIP and run
+//! on, token after token, while
 //!
 //! 1. the agent is killed (SIGKILL, as a crash): the program stays attached, forwards the
 //!    streams both ways, and balances new connections with the last tables;
-//! 2. a new agent takes the pinned maps and links over, and is stopped (SIGTERM), which
-//!    leaves everything attached;
+//! 2. a new agent takes the pinned maps and links over, still draining the server, and is
+//!    stopped (SIGTERM), which leaves everything attached;
 //! 3. an agent whose configuration does not fit the pinned flow table refuses to start with
 //!    a clear error, changing nothing;
-//! 4. a third agent takes over again; its counters go on from the first agent's.
+//! 4. a third agent takes over again; its counters go on from the first agent's, and a
+//!    second agent on the same pins is refused.
 //!
 //! Every stream must end with all its tokens and `[DONE]`, and receive tokens while no
-//! agent runs. Last, `balancer-agent detach` removes the pins and the program leaves the
+//! agent runs; no new connection may reach the drained server. Last, `balancer-agent
+//! detach` (refused while an agent runs) removes the pins and the program leaves the
 //! gateway's interfaces.
 
 use std::path::Path;
@@ -18,12 +21,12 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::netns::PinDir;
 use balancer_tests::process::run as run_cli;
 use balancer_tests::sim::client::{self, Item, Stream};
-use balancer_tests::topology::{Family, Topology, BACKENDS};
+use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
 use balancer_tests::{check_nothing_remains, serial};
 use serde_json::json;
 
@@ -38,6 +41,8 @@ const TOKENS: u64 = 1200;
 const UNATTENDED: Duration = Duration::from_millis(1500);
 /// New connections through the VIP at each step.
 const PROBES: usize = 8;
+/// Drained by the first agent: every later agent goes on draining it.
+const DRAINED: usize = 3;
 
 #[test]
 fn restarts_keep_open_streams() {
@@ -85,9 +90,14 @@ fn read_on(mut stream: Stream) -> JoinHandle<Result<Seen>> {
 }
 
 /// `PROBES` short completions through the VIP, each on a new connection; every one must
-/// succeed. Returns the backends that answered.
+/// succeed, and none reach the drained server. Returns the backends that answered.
 fn probe(topology: &Topology, what: &str) -> Result<Vec<String>> {
-    topology.client().enter(|| probe_here(what))
+    let backends = topology.client().enter(|| probe_here(what))?;
+    ensure!(
+        !backends.contains(&backend_name(DRAINED)),
+        "{what}: a new connection reached the drained server: {backends:?}"
+    );
+    Ok(backends)
 }
 
 fn probe_here(what: &str) -> Result<Vec<String>> {
@@ -125,6 +135,8 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     config.agent.pin_dir = Some(pins.to_owned());
 
     let first = Agent::start(topology, binary, &config)?;
+    let drained = Family::V4.backend(DRAINED).to_string();
+    first.cli(&["drain", POOL, &drained])?;
     probe(topology, "with the first agent")?;
     let mut readers = Vec::new();
     for k in 0..STREAMS {
@@ -164,6 +176,18 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         );
     }
     probe(topology, "with the second agent")?;
+    let state = |agent: &Agent| -> Result<String> {
+        Ok(agent
+            .show(POOL)?
+            .server(Family::V4.backend(DRAINED))?
+            .state
+            .clone())
+    };
+    ensure!(
+        state(&second)? == "DRAINING",
+        "second agent: {}",
+        state(&second)?
+    );
     second.stop()?;
     let stopped = Instant::now();
     let attached = topology.gateway_xdp()?;
@@ -196,6 +220,11 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         refused.contains("another agent is using"),
         "a second agent on the same pins: {refused}"
     );
+    ensure!(
+        state(&third)? == "DRAINING",
+        "third agent: {}",
+        state(&third)?
+    );
     let total = counter(&third, "flow_new_syn")?;
     ensure!(
         // The probes since: after the crash, with the second agent, after the stop, after
@@ -205,13 +234,13 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     );
     third.wait_show(
         POOL,
-        "every server UP and scraped",
+        "every server scraped, none DOWN",
         (Duration::from_secs(20), Duration::from_millis(50)),
         |pool| {
             Ok(pool
                 .servers
                 .iter()
-                .all(|s| s.state == "UP" && s.metrics_age_ms.is_some()))
+                .all(|s| s.state != "DOWN" && s.metrics_age_ms.is_some()))
         },
     )?;
 
