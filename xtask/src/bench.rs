@@ -258,8 +258,12 @@ fn header(
          `repeat` = 1000000 in section 1). What an established packet adds is mostly cache \
          misses on a cold entry of a large table (the next packet of a burst, its entry in \
          cache, shows the rest); a SYN adds an LRU insert and a FIB lookup.\n\
-         - bulk throughput: nftables and HAProxy work after GRO, on up to 64 KB at a time; XDP \
-         handles every 1500-byte frame of these veth links.\n\
+         - bulk throughput, where it is missed: the three systems are within a few percent and \
+         change places from round to round (per-round table in section 2). GRO is off on these \
+         veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
+         program does, and HAProxy relays between two TCP connections; the client's and the \
+         backends' TCP stacks share the two CPUs with the gateway, so the line measures them as \
+         much as the gateway.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
