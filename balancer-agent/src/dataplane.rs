@@ -136,6 +136,8 @@ pub struct Dataplane {
     /// What `REPLIES` holds now.
     installed_replies: HashMap<ReplyKey, Replies>,
     links: BTreeMap<String, XdpLinkId>,
+    /// Interfaces whose pinned link this agent took over from an earlier one.
+    taken_over: HashSet<String>,
     /// Where maps and links are pinned, if they are (`agent.pin_dir`).
     pins: Option<Pins>,
     /// The maps came from an earlier agent's pins.
@@ -212,6 +214,7 @@ impl Dataplane {
             installed: HashMap::new(),
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
+            taken_over: HashSet::new(),
             pins,
             inherited,
         };
@@ -376,6 +379,7 @@ impl Dataplane {
                 Some(pin) => match self.take_over(&pin) {
                     Ok(link) => {
                         info!(interface = %name, "took over the pinned link");
+                        self.taken_over.insert(name.clone());
                         link
                     }
                     Err(e) => {
@@ -467,6 +471,21 @@ impl Dataplane {
         }
     }
 
+    /// After a start that failed: the links this agent made leave again; those it took
+    /// over stay, with their connections and the program now in them.
+    pub fn abandon(&mut self) -> Result<()> {
+        let made: Vec<String> = self
+            .links
+            .keys()
+            .filter(|n| !self.taken_over.contains(*n))
+            .cloned()
+            .collect();
+        for name in made {
+            self.detach_one(&name)?;
+        }
+        Ok(())
+    }
+
     pub fn detach_all(&mut self) -> Result<()> {
         let names: Vec<String> = self.links.keys().cloned().collect();
         for name in names {
@@ -476,6 +495,7 @@ impl Dataplane {
     }
 
     fn detach_one(&mut self, name: &str) -> Result<()> {
+        self.taken_over.remove(name);
         if let Some(link) = self.links.remove(name) {
             // Unpinned first: the link goes when its last reference, ours, does.
             if let Some(pin) = self.pins.as_ref().map(|p| p.link(name)) {

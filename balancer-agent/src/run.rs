@@ -74,8 +74,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
             .and_then(|()| dp.detach_unlisted_pins(&interfaces))
     };
     if let Err(e) = attached {
-        // Pinned links stay: they carry the open connections, whichever program they run.
-        lock(&ctl).dataplane().stop().ok();
+        lock(&ctl).dataplane().abandon().ok();
         return Err(e);
     }
     info!(

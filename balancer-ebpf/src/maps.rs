@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use balancer_common::{
     Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, DEFAULT_FLOW_ENTRIES, MAGLEV_SIZE,
-    MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS, DEFAULT_FLOW_ENTRIES,
+    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -52,7 +52,7 @@ pub static REPLIES: HashMap<ReplyKey, Replies> = HashMap::with_max_entries(MAX_B
 
 /// One counter per verdict and per pass or drop reason (`Counter`), per CPU.
 #[map]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
 /// Flows opened and closed, packets and bytes, per backend id and per CPU: the agent's fresh
 /// picture of load between two scrapes of the servers' metrics.
