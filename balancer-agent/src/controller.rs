@@ -124,19 +124,28 @@ impl Controller {
     /// Fills the maps with the configured weights; the first scrapes refine them.
     pub fn new(config: Config, mut dp: Dataplane) -> Result<Self> {
         // Flows in pinned maps name the ids an earlier agent gave, and the servers it was
-        // draining must not take a connection in between.
-        let Recovered { mut ids, draining } = match dp.inherited()? {
-            Some(old) => Ids::recover(&config, &old.vips, &old.backends),
+        // draining or had found DOWN must not take a connection in between.
+        let now = Instant::now();
+        let Recovered {
+            mut ids,
+            draining,
+            down,
+        } = match dp.inherited()? {
+            Some(old) => Ids::recover(&config, &old.vips, &old.backends, now),
             None => Recovered {
                 ids: Ids::default(),
                 draining: Vec::new(),
+                down: Vec::new(),
             },
         };
         let mut weights = Weights::new();
         for server in &draining {
             weights.drain(server.clone());
         }
-        let plan = ids.plan(&config, &weights, Instant::now())?;
+        for server in &down {
+            weights.down(server.clone());
+        }
+        let plan = ids.plan(&config, &weights, now)?;
         dp.apply(&plan)?;
         let mut c = Controller {
             config: Config {
@@ -151,12 +160,24 @@ impl Controller {
             vip_ids: HashMap::new(),
         };
         c.adopt(config, &plan);
-        for key in draining {
-            if let Some(s) = c.servers.get_mut(&key) {
+        for (key, what) in draining
+            .into_iter()
+            .map(|k| (k, "draining"))
+            .chain(down.into_iter().map(|k| (k, "DOWN")))
+        {
+            let Some(s) = c.servers.get_mut(&key) else {
+                continue;
+            };
+            if what == "DOWN" {
+                // Until `rise` checks pass, as if this agent had seen it fail.
+                s.track.down = true;
+            } else {
                 s.draining = true;
-                s.drain_started = Some(Instant::now());
-                info!(pool = %key.0, server = %key.1, "draining, as the previous agent left it");
+                s.drain_started = Some(now);
             }
+            s.decision.weight = 0;
+            s.decision.reason = format!("{what}, as the previous agent left it");
+            info!(pool = %key.0, server = %key.1, "{what}, as the previous agent left it");
         }
         c.refresh_affinity();
         Ok(c)
@@ -261,14 +282,15 @@ impl Controller {
             for s in &pool.server {
                 let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
                 if let Some(server) = self.servers.get(&key) {
+                    if server.reading.is_some() || server.state() != State::Up {
+                        w.insert(key.clone(), server.decision.weight);
+                    }
+                    // Last: a drained or DOWN server has no slot whatever its last decision.
                     if server.draining {
                         w.drain(key.clone());
                     }
-                    if server.state() != State::Up {
-                        w.exclude(key.clone());
-                    }
-                    if server.reading.is_some() || server.state() != State::Up {
-                        w.insert(key, server.decision.weight);
+                    if server.track.down {
+                        w.down(key);
                     }
                 }
             }

@@ -21,7 +21,7 @@ use aya::{
 use balancer_common::{
     bucket_slot, hint::HintRange, Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter,
     FlowEntry, FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS,
-    BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
+    BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
 };
 use tracing::{info, warn};
 
@@ -219,12 +219,16 @@ impl Dataplane {
             inherited,
         };
         if inherited {
-            // The next plan flips each VIP to the table the program is not reading. REPLIES
-            // entries are not adopted: those the plan lacks belong to servers removed
-            // earlier, whose flows may still be open; they stay.
+            // The next plan flips each VIP to the table the program is not reading.
             for item in dp.vips.iter() {
                 let (key, info) = item.context("reading the pinned VIPs")?;
                 dp.installed.insert(info.vip_id, (key, info));
+            }
+            // Entries the first plan lacks are stale: replies of retired servers' flows are
+            // in the plan, from the recovered quarantine.
+            for item in dp.replies.iter() {
+                let (from, vips) = item.context("reading the pinned replies")?;
+                dp.installed_replies.insert(from, vips);
             }
             if let Some(p) = &dp.pins {
                 info!(dir = %p.dir().display(), vips = dp.installed.len(), "took over the pinned maps");
@@ -269,6 +273,12 @@ impl Dataplane {
     /// flips to it in one map update. Established flows follow their flow entries and are
     /// not touched.
     pub fn apply(&mut self, plan: &Plan) -> Result<()> {
+        // Free again; an id reused by this very plan is written just below.
+        for id in &plan.released {
+            self.backends
+                .set(*id, Backend::default(), 0)
+                .with_context(|| format!("releasing backend {id}"))?;
+        }
         for (id, backend) in &plan.backends {
             self.backends
                 .set(*id, backend, 0)
@@ -344,10 +354,13 @@ impl Dataplane {
             }
         }
         // After the flips no table names a retired backend. Its established flows keep
-        // their cached address; its counters stay until the id is reused.
+        // their cached address; its counters stay until the id is reused. The entry keeps
+        // its address and VIP, marked retired, for an agent that takes these maps over.
         for id in &plan.retired {
+            let mut b = self.backends.get(id, 0).unwrap_or_default();
+            b.flags = BACKEND_F_RETIRED;
             self.backends
-                .set(*id, Backend::default(), 0)
+                .set(*id, b, 0)
                 .with_context(|| format!("retiring backend {id}"))?;
         }
         let stale: Vec<ReplyKey> = self
@@ -382,13 +395,18 @@ impl Dataplane {
                         self.taken_over.insert(name.clone());
                         link
                     }
-                    Err(e) => {
-                        // Its interface was deleted since (the link is defunct), or it is not
-                        // an XDP link: start afresh.
-                        warn!(interface = %name, "cannot take over {}: {e:#}; attaching anew", pin.display());
+                    Err(e) if defunct(&e) => {
+                        // Its interface went away since: the link is of no use any more.
+                        warn!(interface = %name, "the pinned link {} is defunct ({e:#}); attaching anew", pin.display());
                         std::fs::remove_file(&pin)
                             .with_context(|| format!("unpinning {}", pin.display()))?;
                         self.attach_new(name)?
+                    }
+                    // Anything else leaves the link, and the program in it, as it is.
+                    Err(e) => {
+                        return Err(
+                            e.context(format!("taking over the link pinned at {}", pin.display()))
+                        )
                     }
                 },
                 None => self.attach_new(name)?,
@@ -473,7 +491,7 @@ impl Dataplane {
 
     /// After a start that failed: the links this agent made leave again; those it took
     /// over stay, with their connections and the program now in them.
-    pub fn abandon(&mut self) -> Result<()> {
+    pub fn abandon(&mut self) {
         let made: Vec<String> = self
             .links
             .keys()
@@ -481,9 +499,10 @@ impl Dataplane {
             .cloned()
             .collect();
         for name in made {
-            self.detach_one(&name)?;
+            if let Err(e) = self.detach_one(&name) {
+                warn!(interface = %name, "{e:#}");
+            }
         }
-        Ok(())
     }
 
     pub fn detach_all(&mut self) -> Result<()> {
@@ -619,6 +638,14 @@ impl Dataplane {
         }
         Ok(doomed.len())
     }
+}
+
+/// The kernel's answer for a link whose interface is gone (`ENOLINK`).
+fn defunct(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::ENOLINK))
+    })
 }
 
 /// Bucket `bucket` of VIP `vip_id` in `BUCKETS` and `BUCKET_STATS`, as the program finds it.

@@ -15,8 +15,10 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use aya::maps::MapInfo;
+use aya::maps::{MapInfo, MapType};
+use aya_obj::generated::bpf_map_type;
 use balancer_common::PIN_LAYOUT;
+use tracing::warn;
 
 use crate::objects;
 
@@ -24,8 +26,9 @@ use crate::objects;
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// What a map must be for this build's program to use it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Shape {
+    kind: Option<MapType>,
     key_size: u32,
     value_size: u32,
     max_entries: u32,
@@ -34,9 +37,13 @@ struct Shape {
 
 impl std::fmt::Display for Shape {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            Some(kind) => write!(f, "{kind:?}")?,
+            None => write!(f, "a map of unknown type")?,
+        }
         write!(
             f,
-            "{} entries of {} + {} bytes, flags {:#x}",
+            ", {} entries of {} + {} bytes, flags {:#x}",
             self.max_entries, self.key_size, self.value_size, self.flags
         )
     }
@@ -55,6 +62,7 @@ impl Pins {
     /// is the flow table's configured size.
     pub fn open(dir: &Path, flow_entries: u32) -> Result<Self> {
         on_bpffs(dir)?;
+        not_a_mount(dir)?;
         let object = aya_obj::Object::parse(objects::BALANCER).context("parsing the XDP object")?;
         let maps = object
             .maps
@@ -66,7 +74,11 @@ impl Pins {
                 } else {
                     m.max_entries()
                 };
+                let kind = bpf_map_type::try_from(m.map_type())
+                    .ok()
+                    .and_then(|t| MapType::try_from(t).ok());
                 let shape = Shape {
+                    kind,
                     key_size: m.key_size(),
                     value_size: m.value_size(),
                     max_entries,
@@ -129,13 +141,19 @@ impl Pins {
         let ours = format!("maps-v{PIN_LAYOUT}");
         for other in entries(&self.dir)? {
             let name = other.to_string_lossy();
-            if name.starts_with("maps-v") && name != ours && !links.is_empty() {
+            if !name.starts_with("maps-v") || name == ours {
+                continue;
+            }
+            if !links.is_empty() {
                 bail!(
                     "{} holds maps of another build ({name}, this one uses maps-v{PIN_LAYOUT}) \
                      and links to a program that uses them; {fix}",
                     self.dir.display()
                 );
             }
+            // No program uses them any more: they only hold memory.
+            let n = unpin_all(&self.dir.join(&other))?;
+            warn!(dir = %self.dir.display(), "unpinned {n} maps of another build ({name}), which no link used");
         }
         let mut found = Vec::new();
         let mut missing = Vec::new();
@@ -147,6 +165,7 @@ impl Pins {
             let info = MapInfo::from_pin(&path)
                 .with_context(|| format!("reading the pinned map {}", path.display()))?;
             let pinned = Shape {
+                kind: info.map_type().ok(),
                 key_size: info.key_size(),
                 value_size: info.value_size(),
                 max_entries: info.max_entries(),
@@ -190,34 +209,67 @@ impl Pins {
     }
 }
 
-/// Unpins everything under `dir`: links first (each detaches once no agent holds it), then
-/// maps. Returns the interfaces it detached and how many maps it unpinned.
+/// Unpins what agents pinned under `dir`: links first (each detaches once no agent holds
+/// it), then maps of every layout; then removes `dir` if nothing else is in it. Returns the
+/// interfaces it detached and how many maps it unpinned.
 pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
     on_bpffs(dir)?;
     let held = lock(dir)?;
-    let mut interfaces = Vec::new();
     let links = dir.join("links");
-    for name in entries(&links)? {
-        let path = links.join(&name);
-        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
-        interfaces.push(name.to_string_lossy().into_owned());
-    }
+    let interfaces = entries(&links)?
+        .into_iter()
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
+    unpin_all(&links)?;
     let mut maps = 0;
     for sub in entries(dir)? {
-        let sub = dir.join(sub);
-        if sub.is_dir() {
-            for name in entries(&sub)? {
-                let path = sub.join(name);
-                std::fs::remove_file(&path)
-                    .with_context(|| format!("unpinning {}", path.display()))?;
-                maps += 1;
-            }
-            std::fs::remove_dir(&sub).with_context(|| format!("removing {}", sub.display()))?;
+        if sub.to_string_lossy().starts_with("maps-v") {
+            maps += unpin_all(&dir.join(sub))?;
         }
     }
-    drop(held);
+    let rest = entries(dir)?;
+    if !rest.is_empty() {
+        bail!(
+            "unpinned {maps} maps and the links of {}, but left the directory: it also holds {:?}",
+            dir.display(),
+            rest
+        );
+    }
     std::fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    drop(held);
     Ok((interfaces, maps))
+}
+
+/// Unpins every object in `sub` and removes it; returns how many there were.
+fn unpin_all(sub: &Path) -> Result<usize> {
+    let names = entries(sub)?;
+    for name in &names {
+        let path = sub.join(name);
+        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+    }
+    if sub.exists() {
+        std::fs::remove_dir(sub).with_context(|| format!("removing {}", sub.display()))?;
+    }
+    Ok(names.len())
+}
+
+/// `dir` must be a directory of its own inside a bpffs, never a mount's root: `detach`
+/// removes it, and a root is shared with other software's pins.
+fn not_a_mount(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(own), Some(parent)) = (std::fs::metadata(dir), dir.parent()) else {
+        return Ok(());
+    };
+    let parent = std::fs::metadata(parent)
+        .with_context(|| format!("agent.pin_dir: reading {}", parent.display()))?;
+    if own.dev() != parent.dev() {
+        bail!(
+            "agent.pin_dir: {} is a mount point; name a directory inside it (for example {})",
+            dir.display(),
+            dir.join("balancer").display()
+        );
+    }
+    Ok(())
 }
 
 /// An exclusive lock on `dir`, held while the returned file is open: a second agent on the

@@ -10,8 +10,8 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_common::{
     addr_words, hint::HintRange, words_addr, Backend, Replies, ReplyKey, VipKey, ALTERNATES_SIZE,
-    BACKEND_F_DRAINING, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS,
-    MAX_VIPS,
+    BACKEND_F_DOWN, BACKEND_F_DRAINING, BACKEND_F_PRESENT, BACKEND_F_RETIRED, IPPROTO_TCP,
+    MAGLEV_SIZE, MAX_BACKENDS, MAX_REPLY_VIPS, MAX_VIPS,
 };
 
 use crate::{
@@ -45,6 +45,8 @@ pub struct Plan {
     pub backends: Vec<(u32, Backend)>,
     /// Ids of servers that left the configuration: no new flow may pick them.
     pub retired: Vec<u32>,
+    /// Retired ids whose flows have all timed out: free again.
+    pub released: Vec<u32>,
     /// Every backend address whose replies are ours, with the VIPs it serves: those of its
     /// pools, then those of pools it left while their flows may still be open.
     pub replies: Vec<(ReplyKey, Replies)>,
@@ -57,7 +59,8 @@ pub struct Plan {
 pub struct Weights {
     decided: HashMap<(String, SocketAddr), u32>,
     ineligible: HashSet<(String, SocketAddr)>,
-    draining: HashSet<(String, SocketAddr)>,
+    /// `BACKEND_F_*` state flags, for a later agent.
+    flags: HashMap<(String, SocketAddr), u8>,
 }
 
 impl Weights {
@@ -77,9 +80,18 @@ impl Weights {
 
     /// `server` of `pool` is drained: in neither table, and marked so in `BACKENDS`.
     pub fn drain(&mut self, server: (String, SocketAddr)) {
+        self.out(server, BACKEND_F_DRAINING);
+    }
+
+    /// `server` of `pool` is DOWN: in neither table, and marked so in `BACKENDS`.
+    pub fn down(&mut self, server: (String, SocketAddr)) {
+        self.out(server, BACKEND_F_DOWN);
+    }
+
+    fn out(&mut self, server: (String, SocketAddr), flag: u8) {
         self.insert(server.clone(), 0);
         self.exclude(server.clone());
-        self.draining.insert(server);
+        *self.flags.entry(server).or_insert(0) |= flag;
     }
 }
 
@@ -88,6 +100,8 @@ pub struct Recovered {
     pub ids: Ids,
     /// Servers the earlier agent was draining.
     pub draining: Vec<(String, SocketAddr)>,
+    /// Servers the earlier agent had found DOWN.
+    pub down: Vec<(String, SocketAddr)>,
 }
 
 /// A server's identity: the same server in two pools gets two ids, so that its per-pool
@@ -126,14 +140,17 @@ impl Ids {
     /// `BACKENDS`): flows in the flow table name them, so they must not change hands. A
     /// pool is found by its VIP, a backend by its VIP, address and port; a backend whose
     /// pool is no longer configured keeps its id under a name no pool has, so that the first
-    /// plan retires it like any removed server.
+    /// plan retires it like any removed server. Retired ids go back into quarantine, held
+    /// from `now` as if retired then.
     pub fn recover(
         config: &Config,
         vips: &[(VipKey, u32)],
         backends: &[(u32, Backend)],
+        now: Instant,
     ) -> Recovered {
         let mut ids = Ids::default();
         let mut draining = Vec::new();
+        let mut down = Vec::new();
         let mut pools = HashMap::new();
         for pool in &config.pool {
             let (addr, family) = addr_words(pool.vip);
@@ -152,35 +169,53 @@ impl Ids {
             let Some(address) = words_addr(b.addr, b.family) else {
                 continue;
             };
-            if b.flags & BACKEND_F_PRESENT == 0 || *id == 0 || *id >= MAX_BACKENDS {
+            if *id == 0 || *id >= MAX_BACKENDS {
                 continue;
             }
-            let pool = pools
-                .get(&b.vip_id)
-                .cloned()
-                .unwrap_or_else(|| format!("\0gone VIP {}", b.vip_id));
             let port = u16::from_be(b.port);
-            if b.flags & BACKEND_F_DRAINING != 0 {
-                draining.push((pool.clone(), SocketAddr::new(address, port)));
+            if b.flags & BACKEND_F_RETIRED != 0 {
+                let vip = pools
+                    .contains_key(&b.vip_id)
+                    .then(|| vips.iter().find(|(_, v)| *v == b.vip_id))
+                    .flatten();
+                let from = vip.map(|(key, _)| (reply_key(address, port), *key));
+                ids.quarantine.push((*id, now + hold(config), from));
+            } else if b.flags & BACKEND_F_PRESENT != 0 {
+                let pool = pools
+                    .get(&b.vip_id)
+                    .cloned()
+                    .unwrap_or_else(|| format!("\0gone VIP {}", b.vip_id));
+                let server = (pool.clone(), SocketAddr::new(address, port));
+                if b.flags & BACKEND_F_DRAINING != 0 {
+                    draining.push(server.clone());
+                }
+                if b.flags & BACKEND_F_DOWN != 0 {
+                    down.push(server);
+                }
+                ids.backends.insert((pool, address, port), *id);
+            } else {
+                continue;
             }
-            ids.backends.insert((pool, address, port), *id);
             ids.next_backend = ids.next_backend.max(id + 1);
         }
-        Recovered { ids, draining }
+        Recovered {
+            ids,
+            draining,
+            down,
+        }
     }
 
     /// Assigns ids for `config` and computes the maps' contents. Fails, changing nothing,
     /// when the ids run out.
     pub fn plan(&mut self, config: &Config, weights: &Weights, now: Instant) -> Result<Plan> {
+        let (quarantine, released): (Vec<Quarantined>, Vec<Quarantined>) = self
+            .quarantine
+            .iter()
+            .partition(|(_, until, _)| *until > now);
         let mut next = Ids {
             backends: HashMap::new(),
             vips: HashMap::new(),
-            quarantine: self
-                .quarantine
-                .iter()
-                .copied()
-                .filter(|(_, until, _)| *until > now)
-                .collect(),
+            quarantine,
             next_backend: self.next_backend,
         };
         let mut used_vips: Vec<u32> = config
@@ -192,6 +227,7 @@ impl Ids {
             vips: Vec::new(),
             backends: Vec::new(),
             retired: Vec::new(),
+            released: released.iter().map(|(id, _, _)| *id).collect(),
             replies: Vec::new(),
         };
         for pool in &config.pool {
@@ -220,18 +256,14 @@ impl Ids {
                 next.backends.insert(key, id);
                 let (addr, family) = addr_words(s.address);
                 let server = (pool.name.clone(), SocketAddr::new(s.address, s.port));
-                let drained = if weights.draining.contains(&server) {
-                    BACKEND_F_DRAINING
-                } else {
-                    0
-                };
+                let state = weights.flags.get(&server).copied().unwrap_or(0);
                 plan.backends.push((
                     id,
                     Backend {
                         addr,
                         port: s.port.to_be(),
                         family,
-                        flags: BACKEND_F_PRESENT | drained,
+                        flags: BACKEND_F_PRESENT | state,
                         vip_id,
                     },
                 ));
@@ -275,24 +307,13 @@ impl Ids {
                 hint: pool.hint_range(),
             });
         }
-        // Flows may name a retired id until the longest idle timeout has passed.
-        let hold = Duration::from_secs(
-            u64::from(
-                config
-                    .pool
-                    .iter()
-                    .map(|p| p.idle_timeout_s)
-                    .max()
-                    .unwrap_or(0),
-            ) + 60,
-        );
         for (key, id) in &self.backends {
             if !next.backends.contains_key(key) {
                 plan.retired.push(*id);
                 let (pool, address, port) = key;
                 let vip = plan.vips.iter().find(|v| v.pool == *pool).map(|v| v.key);
                 let from = vip.map(|vip| (reply_key(*address, *port), vip));
-                next.quarantine.push((*id, now + hold, from));
+                next.quarantine.push((*id, now + hold(config), from));
             }
         }
         plan.retired.sort_unstable();
@@ -324,6 +345,13 @@ impl Ids {
             ),
         }
     }
+}
+
+/// How long a retired id stays in quarantine: flows may name it until the longest idle
+/// timeout has passed.
+fn hold(config: &Config) -> Duration {
+    let longest = config.pool.iter().map(|p| p.idle_timeout_s).max();
+    Duration::from_secs(u64::from(longest.unwrap_or(0)) + 60)
 }
 
 fn reply_key(address: IpAddr, port: u16) -> ReplyKey {
@@ -575,7 +603,9 @@ mod tests {
             .unwrap()
             .1
             .flags |= BACKEND_F_DRAINING;
-        let Recovered { mut ids, draining } = Ids::recover(&now, &vips, &backends);
+        let Recovered {
+            mut ids, draining, ..
+        } = Ids::recover(&now, &vips, &backends, Instant::now());
         assert_eq!(draining, vec![("a2".to_string(), drained.0)]);
         let mut weights = Weights::new();
         weights.drain(draining[0].clone());
@@ -607,6 +637,42 @@ mod tests {
             vec![first.vips[0].key],
             "a server removed from a pool that stays still gets its flows' replies"
         );
+    }
+
+    #[test]
+    fn a_new_agent_keeps_retired_ids_in_quarantine_and_down_servers_down() {
+        let now = Instant::now();
+        let mut old = Ids::default();
+        let three = config(&[("10.4.0.11", 100), ("10.4.0.12", 100), ("10.4.0.13", 100)]);
+        let a = old.plan(&three, &Weights::new(), now).unwrap();
+        let gone = id_of(&a, 13);
+        let mut w = Weights::new();
+        let sick: (String, SocketAddr) = ("p".into(), "10.4.0.12:8000".parse().unwrap());
+        w.down(sick.clone());
+        let two = config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]);
+        let b = old.plan(&two, &w, now).unwrap();
+        assert_eq!(b.retired, vec![gone]);
+        // The maps as the dataplane leaves them: the retired entry keeps its address.
+        let mut backends = b.backends.clone();
+        let mut retired = a.backends.iter().find(|(id, _)| *id == gone).unwrap().1;
+        retired.flags = BACKEND_F_RETIRED;
+        backends.push((gone, retired));
+        let vips = vec![(b.vips[0].key, b.vips[0].vip_id)];
+        // The next agent has a new server, which must not get the quarantined id.
+        let next = config(&[("10.4.0.11", 100), ("10.4.0.12", 100), ("10.4.0.14", 100)]);
+        let Recovered { mut ids, down, .. } = Ids::recover(&next, &vips, &backends, now);
+        assert_eq!(down, vec![sick]);
+        let c = ids.plan(&next, &Weights::new(), now).unwrap();
+        assert_ne!(id_of(&c, 14), gone);
+        assert_eq!(
+            reply_vips(&c, 13),
+            vec![c.vips[0].key],
+            "its flows' replies are still ours"
+        );
+        let hold = Duration::from_secs(600 + 61);
+        let later = ids.plan(&next, &Weights::new(), now + hold).unwrap();
+        assert_eq!(later.released, vec![gone]);
+        assert!(reply_vips(&later, 13).is_empty());
     }
 
     #[test]

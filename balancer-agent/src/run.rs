@@ -74,7 +74,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
             .and_then(|()| dp.detach_unlisted_pins(&interfaces))
     };
     if let Err(e) = attached {
-        lock(&ctl).dataplane().abandon().ok();
+        lock(&ctl).dataplane().abandon();
         return Err(e);
     }
     info!(

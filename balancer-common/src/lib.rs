@@ -171,9 +171,14 @@ pub struct Backend {
 /// The slot holds a configured backend. Entries of removed servers keep this bit until no
 /// flow can refer to them any more, so that established flows keep their backend.
 pub const BACKEND_F_PRESENT: u8 = 1;
-/// The operator drains this backend. The program does not read it (a draining backend has
-/// no slot in any table): an agent that takes over pinned maps goes on draining it.
+/// The flags below are for an agent that takes over pinned maps; the program reads none of
+/// them. The operator drains this backend (it has no slot in any table): it stays drained.
 pub const BACKEND_F_DRAINING: u8 = 2;
+/// Its health checks failed (no slot in any table): it stays DOWN until checks pass.
+pub const BACKEND_F_DOWN: u8 = 4;
+/// Removed from the configuration (not present), its id in quarantine while its flows may
+/// be open: the id is not given to another server before then.
+pub const BACKEND_F_RETIRED: u8 = 8;
 
 /// A flow as the client sends it (client -> VIP): the flow table's key. A reply finds it
 /// through [`Replies`].

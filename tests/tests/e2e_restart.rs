@@ -1,21 +1,24 @@
 //! Restarts that lose nothing (`agent.pin_dir`), end to end over namespaces with four
-//! simulators. The first agent drains one server, then streams open through the VIP and run
-//! on, token after token, while
+//! simulators. The first agent finds one server DOWN (its simulator killed) and drains
+//! another, then streams open through the VIP and run on, token after token, while
 //!
 //! 1. the agent is killed (SIGKILL, as a crash): the program stays attached, forwards the
 //!    streams both ways, and balances new connections with the last tables;
-//! 2. a new agent takes the pinned maps and links over, still draining the server, and is
-//!    stopped (SIGTERM), which leaves everything attached;
+//! 2. a new agent, its servers listed in another order, takes the pinned maps and links
+//!    over: the DOWN server is still DOWN, the drained one still DRAINING, and each stream's
+//!    server still counts the stream (its id was recovered); it is stopped (SIGTERM),
+//!    which leaves everything attached;
 //! 3. an agent whose configuration does not fit the pinned flow table refuses to start with
 //!    a clear error, changing nothing;
 //! 4. a third agent takes over again; its counters go on from the first agent's, and a
 //!    second agent on the same pins is refused.
 //!
 //! Every stream must end with all its tokens and `[DONE]`, and receive tokens while no
-//! agent runs; no new connection may reach the drained server. Last, `balancer-agent
-//! detach` (refused while an agent runs) removes the pins and the program leaves the
-//! gateway's interfaces.
+//! agent runs; no new connection may reach the DOWN or the drained server. Last, an agent
+//! configured without `g1` detaches from it, and `balancer-agent detach` (refused while an
+//! agent runs) removes the pins and the program leaves the gateway's interfaces.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -39,10 +42,13 @@ const STREAMS: usize = 4;
 const TOKENS: u64 = 1200;
 /// How long the gateway runs without an agent, after the crash and after the stop.
 const UNATTENDED: Duration = Duration::from_millis(1500);
-/// New connections through the VIP at each step.
-const PROBES: usize = 8;
+/// New connections through the VIP at each step: with two servers out, one that wrongly
+/// took connections would be missed by 16 probes once in 65536.
+const PROBES: usize = 16;
 /// Drained by the first agent: every later agent goes on draining it.
 const DRAINED: usize = 3;
+/// Its simulator is killed before the first agent's streams: every agent must keep it DOWN.
+const DEAD: usize = 2;
 
 #[test]
 fn restarts_keep_open_streams() {
@@ -90,7 +96,7 @@ fn read_on(mut stream: Stream) -> JoinHandle<Result<Seen>> {
 }
 
 /// `PROBES` short completions through the VIP, each on a new connection; every one must
-/// succeed, and none reach the drained server. Returns the backends that answered.
+/// succeed (none may go to the dead server), and none reach the drained server. Returns the backends that answered.
 fn probe(topology: &Topology, what: &str) -> Result<Vec<String>> {
     let backends = topology.client().enter(|| probe_here(what))?;
     ensure!(
@@ -116,6 +122,15 @@ fn probe_here(what: &str) -> Result<Vec<String>> {
     Ok(backends)
 }
 
+/// The state `show` gives backend `i`.
+fn state(agent: &Agent, i: usize) -> Result<String> {
+    Ok(agent
+        .show(POOL)?
+        .server(Family::V4.backend(i))?
+        .state
+        .clone())
+}
+
 fn counter(agent: &Agent, name: &str) -> Result<u64> {
     let text = agent.cli(&["counters", "--json"])?;
     let counters: Vec<(String, u64)> = serde_json::from_str(&text)?;
@@ -128,17 +143,30 @@ fn counter(agent: &Agent, name: &str) -> Result<u64> {
 
 fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     let args: Vec<Vec<String>> = (0..BACKENDS).map(|_| Vec::new()).collect();
-    let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
+    let mut sims = SimBackends::start(topology, Path::new(SIM), &args)?;
     let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
     config.pools.retain(|p| p.name == POOL);
-    config.agent.scrape_interval_ms = Some(500);
-    config.agent.pin_dir = Some(pins.to_owned());
+    let agent = &mut config.agent;
+    agent.scrape_interval_ms = Some(500);
+    agent.health_interval_ms = Some(300);
+    agent.health_timeout_ms = Some(250);
+    agent.fall = Some(2);
+    agent.rise = Some(2);
+    agent.pin_dir = Some(pins.to_owned());
 
     let first = Agent::start(topology, binary, &config)?;
+    sims.kill(DEAD)?;
+    first.wait_show(
+        POOL,
+        "the killed server DOWN",
+        (Duration::from_secs(10), Duration::from_millis(50)),
+        |pool| Ok(pool.server(Family::V4.backend(DEAD))?.state == "DOWN"),
+    )?;
     let drained = Family::V4.backend(DRAINED).to_string();
     first.cli(&["drain", POOL, &drained])?;
     probe(topology, "with the first agent")?;
     let mut readers = Vec::new();
+    let mut streams_on: BTreeMap<String, u64> = BTreeMap::new();
     for k in 0..STREAMS {
         let body = json!({
             "prompt": format!("stream {k} across agent restarts"),
@@ -148,6 +176,8 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
             .client()
             .enter(|| Stream::open(Family::V4.vip(), "/v1/completions", &body))?;
         stream.set_timeout(Duration::from_secs(10))?;
+        let backend = stream.head.header("x-backend").unwrap_or("?").to_owned();
+        *streams_on.entry(backend).or_default() += 1;
         readers.push(read_on(stream));
     }
     let opened = counter(&first, "flow_new_syn")?;
@@ -161,32 +191,32 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     println!("no agent: new connections reached {spread:?}");
     let unattended = [(crashed, Instant::now())];
 
-    // 2. Takeover, then a clean stop.
-    let second = Agent::start(topology, binary, &config)?;
-    let log = second.log();
+    // 2. Takeover, the servers listed in reverse, then a clean stop.
+    let mut reordered = config.clone();
+    reordered.pools[0].servers.reverse();
+    let second = Agent::start(topology, binary, &reordered)?;
     ensure!(
-        log.contains("took over the pinned maps"),
-        "second agent: {log}"
-    );
-    for dev in ["g0", "g1"] {
-        ensure!(
-            log.lines()
-                .any(|l| l.contains("took over the pinned link") && l.contains(dev)),
-            "second agent did not take over {dev}: {log}"
-        );
-    }
-    probe(topology, "with the second agent")?;
-    let state = |agent: &Agent| -> Result<String> {
-        Ok(agent
-            .show(POOL)?
-            .server(Family::V4.backend(DRAINED))?
-            .state
-            .clone())
-    };
-    ensure!(
-        state(&second)? == "DRAINING",
+        state(&second, DEAD)? == "DOWN",
         "second agent: {}",
-        state(&second)?
+        state(&second, DEAD)?
+    );
+    // Each stream counted by its server: the ids it had were recovered, whatever the order.
+    second.wait_show(
+        POOL,
+        "every stream counted by its server",
+        (Duration::from_secs(5), Duration::from_millis(50)),
+        |pool| {
+            Ok(pool.servers.iter().enumerate().all(|(i, row)| {
+                let name = backend_name(BACKENDS - 1 - i);
+                row.flows >= streams_on.get(&name).copied().unwrap_or(0)
+            }))
+        },
+    )?;
+    probe(topology, "with the second agent")?;
+    ensure!(
+        state(&second, DRAINED)? == "DRAINING",
+        "second agent: {}",
+        state(&second, DRAINED)?
     );
     second.stop()?;
     let stopped = Instant::now();
@@ -221,9 +251,10 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         "a second agent on the same pins: {refused}"
     );
     ensure!(
-        state(&third)? == "DRAINING",
-        "third agent: {}",
-        state(&third)?
+        state(&third, DRAINED)? == "DRAINING" && state(&third, DEAD)? == "DOWN",
+        "third agent: {} and {}",
+        state(&third, DRAINED)?,
+        state(&third, DEAD)?
     );
     let total = counter(&third, "flow_new_syn")?;
     ensure!(
@@ -234,13 +265,14 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     );
     third.wait_show(
         POOL,
-        "every server scraped, none DOWN",
+        "every live server scraped",
         (Duration::from_secs(20), Duration::from_millis(50)),
         |pool| {
             Ok(pool
                 .servers
                 .iter()
-                .all(|s| s.state != "DOWN" && s.metrics_age_ms.is_some()))
+                .enumerate()
+                .all(|(i, s)| i == DEAD || s.metrics_age_ms.is_some()))
         },
     )?;
 
@@ -279,6 +311,25 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         );
     }
 
+    // An interface no longer configured is detached at the next start.
+    third.stop()?;
+    let mut narrower = config.clone();
+    narrower.agent.interfaces.retain(|i| i == "g0");
+    let fourth = Agent::start(topology, binary, &narrower)?;
+    ensure!(
+        fourth
+            .log()
+            .lines()
+            .any(|l| l.contains("no longer configured") && l.contains("g1")),
+        "fourth agent: {}",
+        fourth.log()
+    );
+    let attached = topology.gateway_xdp()?;
+    ensure!(
+        attached.len() == 1 && attached[0].starts_with("g0"),
+        "after dropping g1: {attached:?}"
+    );
+
     // Last, removing it all, which `detach` refuses while an agent runs.
     let config_path = topology.dir().join("agent.toml");
     let detach = || {
@@ -291,10 +342,10 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         format!("{busy:#}").contains("stop it first"),
         "detach with an agent running: {busy:#}"
     );
-    third.stop()?;
+    fourth.stop()?;
     let out = detach()?;
     println!("{}", out.trim());
-    ensure!(out.contains("g0") && out.contains("g1"), "detach: {out}");
+    ensure!(out.contains("g0") && !out.contains("g1"), "detach: {out}");
     ensure!(!pins.exists(), "{} remains", pins.display());
     let attached = topology.gateway_xdp()?;
     ensure!(attached.is_empty(), "still attached: {attached:?}");
