@@ -263,7 +263,10 @@ fn header(
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
          backends' TCP stacks share the two CPUs with the gateway, so the line measures them as \
-         much as the gateway.\n\
+         much as the gateway. A profile of one bulk phase of each (`perf record -a -e \
+         cpu-clock`) found both CPUs about 20% idle with ours and with nftables (not with \
+         HAProxy), and the XDP program at 1.6% of the samples: the gateway's CPU is not what \
+         limits these streams.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
