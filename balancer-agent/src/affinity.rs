@@ -149,6 +149,9 @@ pub struct PoolAffinity {
     /// Every bucket's servers in rendezvous order, for these members.
     rankings: Vec<Vec<u32>>,
     popularity: Popularity,
+    /// Until when quiet buckets keep the homes taken over from an earlier agent (see
+    /// [`PoolAffinity::adopt`]).
+    adopted_until: Option<Instant>,
 }
 
 /// A bucket in use, for the operator.
@@ -197,6 +200,26 @@ impl PoolAffinity {
             members: Vec::new(),
             rankings: Vec::new(),
             popularity: Popularity::new(range.buckets),
+            adopted_until: None,
+        }
+    }
+
+    /// Takes the candidates an earlier agent left in the pinned maps (`written`, and the
+    /// statistics so far, per bucket) as its own: homes stay where the prefixes are cached
+    /// and the alternates stay warm, instead of every bucket starting again from its
+    /// rendezvous home. The popularity that placed them is not in the maps, so for as long
+    /// as popularity remembers (`homes::MEMORY`) a bucket keeps its home even while quiet;
+    /// the buckets in use are placed by the usual rules, their homes the incumbents.
+    pub fn adopt(&mut self, now: Instant, written: &[Bucket], stats: &[BucketStats]) {
+        self.homes = written.iter().map(|w| w.ids[0]).collect();
+        self.adopted_until = Some(now + homes::MEMORY);
+        for ((state, w), seen) in self.buckets.iter_mut().zip(written).zip(stats) {
+            state.warm = (w.ids[1..].iter())
+                .filter(|id| **id != 0)
+                .map(|&id| Warm { id, last_used: now })
+                .collect();
+            state.written = Some(*w);
+            state.seen = *seen;
         }
     }
 
@@ -253,7 +276,15 @@ impl PoolAffinity {
             (self.buckets.iter().enumerate()).map(|(b, s)| hinted(b).saturating_sub(s.seen.hinted)),
         );
         let counts = self.popularity.counts();
-        let homes = homes::place(&self.rankings, members, counts, &self.homes, home_bound);
+        let mut homes = homes::place(&self.rankings, members, counts, &self.homes, home_bound);
+        if self.adopted_until.is_some_and(|t| now < t) {
+            for (b, home) in homes.iter_mut().enumerate() {
+                let adopted = self.homes.get(b).copied().unwrap_or(0);
+                if counts[b] < homes::QUIET && adopted != 0 && self.rankings[b].contains(&adopted) {
+                    *home = adopted;
+                }
+            }
+        }
         // With balancing off, a change of homes is rendezvous hashing's, not a move.
         let mut out = Update::default();
         if home_bound > 0.0 {
@@ -389,6 +420,60 @@ pub(crate) mod tests {
             ttft_ms: Some(ttft),
             why: format!("server {id} full"),
         }
+    }
+
+    #[test]
+    fn adopted_homes_and_alternates_stay() {
+        let m = members(4);
+        let range = HintRange {
+            start: 16384,
+            span: 16384,
+            buckets: 8,
+        };
+        let now = Instant::now();
+        // Every bucket's home moved off its rendezvous home, with one warm alternate.
+        let written: Vec<Bucket> = (0..8u16)
+            .map(|b| {
+                let ranked = ranking(b, &m);
+                Bucket {
+                    ids: [ranked[1], ranked[2], 0, 0],
+                }
+            })
+            .collect();
+        let stats: Vec<BucketStats> = (0..8)
+            .map(|_| BucketStats {
+                hinted: 1000,
+                spilled: 100,
+                picks: [900, 100, 0, 0],
+            })
+            .collect();
+        let mut a = PoolAffinity::new(range);
+        a.adopt(now, &written, &stats);
+        let loads: Vec<Load> = (1..=4).map(|id| load(id, 4, 0.0, 100.0)).collect();
+        let idle = Duration::from_secs(30);
+        let later = now + Duration::from_secs(1);
+        let update = a.update(later, &m, &loads, &stats, idle, 1.25);
+        assert!(
+            update.write.is_empty(),
+            "nothing to rewrite: {:?}",
+            update.write
+        );
+        assert!(
+            update.spilled.is_empty(),
+            "no spill since: {:?}",
+            update.spilled
+        );
+        assert!(update.moves.is_empty());
+        for (b, w) in written.iter().enumerate() {
+            assert_eq!(a.homes()[b], w.ids[0]);
+        }
+        // Without adoption every bucket would be back on its rendezvous home, as the quiet
+        // ones are once popularity has forgotten.
+        let mut fresh = PoolAffinity::new(range);
+        fresh.update(later, &m, &loads, &stats, idle, 1.25);
+        assert!((0..8).all(|b| fresh.homes()[b] != written[b].ids[0]));
+        a.update(now + homes::MEMORY, &m, &loads, &stats, idle, 1.25);
+        assert_eq!(a.homes(), fresh.homes());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use balancer_common::{BackendStats, Counter, BUDGET_UNKNOWN};
+use balancer_common::{BackendStats, Counter, VipInfo, VipKey, BUDGET_UNKNOWN};
 use tracing::{info, warn};
 
 use crate::{
@@ -126,12 +126,16 @@ impl Controller {
         // Flows in pinned maps name the ids an earlier agent gave, and the servers it was
         // draining or had found DOWN must not take a connection in between.
         let now = Instant::now();
+        let inherited = dp.inherited()?;
         let Recovered {
             mut ids,
             draining,
             down,
-        } = match dp.inherited()? {
-            Some(old) => Ids::recover(&config, &old.vips, &old.backends, now),
+        } = match &inherited {
+            Some(old) => {
+                let vips: Vec<_> = old.vips.iter().map(|(k, v)| (*k, v.vip_id)).collect();
+                Ids::recover(&config, &vips, &old.backends, now)
+            }
             None => Recovered {
                 ids: Ids::default(),
                 draining: Vec::new(),
@@ -179,8 +183,40 @@ impl Controller {
             s.decision.reason = format!("{what}, as the previous agent left it");
             info!(pool = %key.0, server = %key.1, "{what}, as the previous agent left it");
         }
+        if let Some(old) = &inherited {
+            c.adopt_buckets(now, &old.vips)?;
+        }
         c.refresh_affinity();
         Ok(c)
+    }
+
+    /// The hint buckets an earlier agent left, for pools whose hint range is unchanged:
+    /// homes stay where the prefixes are cached.
+    fn adopt_buckets(&mut self, now: Instant, old: &[(VipKey, VipInfo)]) -> Result<()> {
+        for (pool, aff) in self.affinity.iter_mut() {
+            let Some(&vip_id) = self.vip_ids.get(pool) else {
+                continue;
+            };
+            let range = aff.range;
+            let same = old.iter().any(|(_, v)| {
+                v.vip_id == vip_id
+                    && (v.hint_start, v.hint_span, v.hint_buckets)
+                        == (range.start, range.span, range.buckets)
+            });
+            if !same {
+                continue;
+            }
+            let mut written = Vec::new();
+            let mut stats = Vec::new();
+            for b in 0..range.buckets {
+                written.push(self.dp.bucket(vip_id, b)?);
+                stats.push(self.dp.bucket_stats(vip_id, b)?);
+            }
+            aff.adopt(now, &written, &stats);
+            let moved = written.iter().filter(|w| w.ids[0] != 0).count();
+            info!(pool = %pool, buckets = moved, "took over the hint buckets' homes and alternates");
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &Config {

@@ -108,8 +108,8 @@ fn write_table(slots: &mut [u64], ids: &[u32]) {
 
 /// The ids an earlier agent wrote into maps it pinned.
 pub struct Inherited {
-    /// Each VIP and its id.
-    pub vips: Vec<(VipKey, u32)>,
+    /// Each VIP and what its entry held.
+    pub vips: Vec<(VipKey, VipInfo)>,
     /// Every backend entry in use, by id.
     pub backends: Vec<(u32, Backend)>,
 }
@@ -242,11 +242,7 @@ impl Dataplane {
         if !self.inherited {
             return Ok(None);
         }
-        let vips = self
-            .installed
-            .values()
-            .map(|(key, info)| (*key, info.vip_id))
-            .collect();
+        let vips = self.installed.values().copied().collect();
         let mut backends = Vec::new();
         for id in 1..MAX_BACKENDS {
             let b = self
@@ -563,6 +559,13 @@ impl Dataplane {
         self.buckets
             .set(slot(vip_id, bucket)?, candidates, 0)
             .with_context(|| format!("writing bucket {bucket} of VIP {vip_id}"))
+    }
+
+    /// The candidates of bucket `bucket` of VIP `vip_id`, as last written.
+    pub fn bucket(&self, vip_id: u32, bucket: u16) -> Result<Bucket> {
+        self.buckets
+            .get(&slot(vip_id, bucket)?, 0)
+            .with_context(|| format!("reading bucket {bucket} of VIP {vip_id}"))
     }
 
     /// Hinted SYNs, spills and picks of one bucket so far, summed over CPUs.

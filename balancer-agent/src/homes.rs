@@ -22,7 +22,7 @@ use std::{
 use crate::affinity::Member;
 
 /// The decay time of the counts: a connection counts `exp(-age / MEMORY)`.
-const MEMORY: Duration = Duration::from_secs(120);
+pub const MEMORY: Duration = Duration::from_secs(120);
 /// Hinted connections (decayed) the pool must have seen before homes are balanced: fewer
 /// say too little about which buckets are popular.
 pub const EVIDENCE: f64 = 64.0;

@@ -212,6 +212,20 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
             }))
         },
     )?;
+    let log = second.log();
+    for what in ["took over the pinned maps", "took over the hint buckets"] {
+        ensure!(
+            log.contains(what),
+            "second agent did not log {what:?}: {log}"
+        );
+    }
+    for dev in ["g0", "g1"] {
+        ensure!(
+            log.lines()
+                .any(|l| l.contains("took over the pinned link") && l.contains(dev)),
+            "second agent did not take over {dev}: {log}"
+        );
+    }
     probe(topology, "with the second agent")?;
     ensure!(
         state(&second, DRAINED)? == "DRAINING",
