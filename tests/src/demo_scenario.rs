@@ -1,6 +1,7 @@
 //! The worked example of the design brief, live: the topology, four inference servers, the
 //! agent, a workload whose preamble overloads its home so that the agent spills it, one
-//! completion streamed with curl, and 10.4.0.14 drained until it leaves the pool.
+//! completion streamed with curl, 10.4.0.14 drained until it leaves the pool, and the agent
+//! stopped and started again mid-workload, its program staying attached (`agent.pin_dir`).
 
 use std::fs;
 use std::io::{BufRead, BufReader, Read};
@@ -110,6 +111,9 @@ struct Timeline {
     stagger: f64,
     curl_at: f64,
     burst_at: f64,
+    /// The agent is stopped and started again, as for an upgrade (once the drained server
+    /// has left, so that nothing waits on the agent then).
+    restart_at: f64,
     table_every: f64,
     end_at: f64,
 }
@@ -124,6 +128,7 @@ impl Timeline {
                 stagger: 0.3,
                 curl_at: 9.0,
                 burst_at: 13.0,
+                restart_at: 17.0,
                 table_every: 4.0,
                 end_at: 24.0,
             }
@@ -135,6 +140,7 @@ impl Timeline {
                 stagger: 0.6,
                 curl_at: 18.0,
                 burst_at: 32.0,
+                restart_at: 42.0,
                 table_every: 5.0,
                 end_at: 55.0,
             }
@@ -147,6 +153,7 @@ impl Timeline {
         if let Some(d) = options.duration {
             t.end_at = d.as_secs_f64().max(t.burst_at + 6.0);
         }
+        t.restart_at = t.restart_at.min(t.end_at - 5.0);
         t
     }
 }
@@ -164,11 +171,12 @@ fn vip() -> SocketAddr {
 }
 
 /// The agent's configuration with the servers `servers` (indices).
-fn agent_toml(socket: &Path, servers: &[usize], real: bool, slots: u32) -> String {
+fn agent_toml(socket: &Path, pins: &Path, servers: &[usize], real: bool, slots: u32) -> String {
     let mut text = format!(
         "[agent]\n\
          interfaces = [{}]\n\
          control_socket = \"{}\"\n\
+         pin_dir = \"{}\"\n\
          scrape_interval_ms = 2000\n\
          {}\
          \n\
@@ -181,6 +189,7 @@ fn agent_toml(socket: &Path, servers: &[usize], real: bool, slots: u32) -> Strin
          slots = {slots}\n",
         GATEWAY_INTERFACES.map(|i| format!("\"{i}\"")).join(", "),
         socket.display(),
+        pins.display(),
         // A one-token check waits behind the prefills of a busy CPU server.
         if real {
             "health_timeout_ms = 10000\n"
@@ -246,28 +255,61 @@ struct Agent {
     binary: PathBuf,
     config: PathBuf,
     socket: PathBuf,
+    /// `agent.pin_dir`.
+    pins: PathBuf,
     log: PathBuf,
+    /// The gateway namespace's command for the agent, to start it again.
+    command: Command,
+}
+
+fn ready(line: &str) -> bool {
+    line.contains(" ready ") || line.trim_end().ends_with(" ready")
 }
 
 impl Agent {
-    fn start(topology: &Topology, binary: &Path, text: &str) -> Result<Self> {
+    fn start(topology: &Topology, binary: &Path, pins: &Path, text: &str) -> Result<Self> {
         let dir = topology.dir();
         let config = dir.join("agent.toml");
         write_whole(&config, text)?;
         let log = dir.join("agent.log");
-        let mut cmd = topology.gw().command(binary);
-        cmd.args(["run", "--config"]).arg(&config);
-        let mut process = Process::spawn("balancer-agent", cmd, &log)?;
-        process.wait_for_line(0, Duration::from_secs(30), |line| {
-            line.contains(" ready ") || line.trim_end().ends_with(" ready")
-        })?;
+        let command = || {
+            let mut cmd = topology.gw().command(binary);
+            cmd.args(["run", "--config"]).arg(&config);
+            cmd
+        };
+        let mut process = Process::spawn("balancer-agent", command(), &log)?;
+        process.wait_for_line(0, Duration::from_secs(30), ready)?;
         Ok(Self {
             process,
             binary: binary.to_owned(),
+            command: command(),
             config,
             socket: dir.join("agent.sock"),
+            pins: pins.to_owned(),
             log,
         })
+    }
+
+    /// Stops the agent (SIGTERM), which leaves the program attached to its pinned maps, and
+    /// returns when it has exited.
+    fn stop(&mut self) -> Result<()> {
+        let status = self.process.stop(Duration::from_secs(10))?;
+        if !status.success() {
+            bail!("the agent exited with {status}");
+        }
+        Ok(())
+    }
+
+    /// Starts the agent again on the same configuration, its log added to the same file;
+    /// returns once it is ready.
+    fn start_again(&mut self) -> Result<()> {
+        let mut cmd = Command::new(self.command.get_program());
+        cmd.args(self.command.get_args());
+        let mark = self.process.output_len();
+        self.process = Process::spawn_appending("balancer-agent", cmd, &self.log)?;
+        self.process
+            .wait_for_line(mark, Duration::from_secs(30), ready)?;
+        Ok(())
     }
 
     /// `balancer-agent ARGS --socket SOCKET`.
@@ -529,8 +571,8 @@ fn relay(line: &str) -> Option<(Style, String)> {
             break;
         };
         match key {
-            "server" => server = Some(value),
-            "pool" | "weight" | "pools" => {}
+            "server" | "interface" => server = Some(value),
+            "pool" | "weight" | "pools" | "dir" | "vips" | "interfaces" | "buckets" => {}
             _ => break,
         }
         message = before;
@@ -549,6 +591,9 @@ fn relay(line: &str) -> Option<(Style, String)> {
         "DOWN after",
         "UP after",
         "sent only a SYN",
+        "left attached",
+        "took over",
+        "as the previous agent left it",
     ]
     .iter()
     .any(|m| message.contains(m))
@@ -805,11 +850,14 @@ pub fn run(options: &Options, out: &Out) -> Result<()> {
     let servers = start_servers(&topology, options)?;
 
     let socket = topology.dir().join("agent.sock");
+    // A bpffs of the demo's own: `ip netns exec` hides the host's /sys/fs/bpf. Dropped
+    // after the agent, which unpins what it left.
+    let pins = netns::PinDir::new("demo")?;
     let all: Vec<usize> = (0..BACKENDS).collect();
-    let config = agent_toml(&socket, &all, real, options.shape().slots);
+    let config = agent_toml(&socket, &pins.path(), &all, real, options.shape().slots);
     out.line(Style::Title, "starting the agent with this agent.toml:");
     out.block(Style::Dim, &config);
-    let mut agent = Agent::start(&topology, &options.agent, &config)?;
+    let mut agent = Agent::start(&topology, &options.agent, &pins.path(), &config)?;
     let pids: Vec<String> = std::iter::once(format!("agent {}", agent.process.pid()))
         .chain(
             servers
@@ -901,6 +949,7 @@ pub fn run(options: &Options, out: &Out) -> Result<()> {
         "cleaning up: stopping the agent and the servers, deleting the namespaces",
     );
     drop(agent);
+    drop(pins);
     // A busy llama-server takes its time over SIGTERM; nothing of theirs needs saving.
     for mut server in servers {
         let _ = server.stop(Duration::from_secs(2));
@@ -1057,8 +1106,35 @@ fn timeline_run(
         let mut curl = None;
         let mut burst = false;
         let mut reloaded = false;
+        let mut restarted = false;
         while Instant::now() < at(timeline.end_at) && !out::stop_requested() {
             let now = Instant::now();
+            if !restarted && reloaded && now >= at(timeline.restart_at) {
+                restarted = true;
+                out.line(
+                    Style::Title,
+                    &format!(
+                        "an upgrade: the agent stops (kill -TERM {}) and starts again; with \
+                         agent.pin_dir the XDP program stays attached, so the streams and new \
+                         connections go on",
+                        agent.process.pid()
+                    ),
+                );
+                agent.stop()?;
+                out.line(Style::Plain, "agent stopped; for two seconds no agent runs");
+                std::thread::sleep(Duration::from_secs(2));
+                agent.start_again()?;
+                out.line(
+                    Style::Plain,
+                    &format!(
+                        "$ balancer-agent run --config agent.toml   (pid {}: ready)",
+                        agent.process.pid()
+                    ),
+                );
+                std::thread::sleep(Duration::from_millis(300));
+                show_table(agent, out, "   (the new agent)");
+                next_table = Instant::now() + Duration::from_secs_f64(timeline.table_every);
+            }
             if !reloaded && scene.drained.load(Ordering::SeqCst) {
                 reloaded = true;
                 out.line(
@@ -1072,6 +1148,7 @@ fn timeline_run(
                 let rest: Vec<usize> = (0..BACKENDS).filter(|i| *i != DRAINED).collect();
                 agent.reload(&agent_toml(
                     &agent.socket,
+                    &agent.pins,
                     &rest,
                     real,
                     options.shape().slots,

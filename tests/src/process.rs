@@ -42,9 +42,23 @@ pub struct Process {
 }
 
 impl Process {
-    pub fn spawn(name: impl Into<String>, mut cmd: Command, log: &Path) -> Result<Self> {
-        let name = name.into();
+    pub fn spawn(name: impl Into<String>, cmd: Command, log: &Path) -> Result<Self> {
         let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        Self::spawn_to(name.into(), cmd, log, out)
+    }
+
+    /// [`Process::spawn`], adding to `log` what is in it already: for a process that takes
+    /// over from an earlier one whose log is being read.
+    pub fn spawn_appending(name: impl Into<String>, cmd: Command, log: &Path) -> Result<Self> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        Self::spawn_to(name.into(), cmd, log, out)
+    }
+
+    fn spawn_to(name: String, mut cmd: Command, log: &Path, out: File) -> Result<Self> {
         let err = out.try_clone()?;
         let child = cmd
             .stdin(Stdio::null())

@@ -1,7 +1,8 @@
 //! Issue 7: the demo (`cargo xtask demo`) run non-interactively, as `demo --ci`, and its
 //! output checked: the preamble's home is where the agent's rendezvous hashing puts it, at
 //! least one spill from that home to another server that is up, the drained server gone
-//! from the pool at the end, a completion streamed with curl, and nothing left behind
+//! from the pool at the end, a completion streamed with curl, an agent restart that takes
+//! the pinned maps and links over without a failed request, and nothing left behind
 //! (namespaces, the demo's processes).
 
 use std::io::Read;
@@ -157,6 +158,27 @@ fn check(output: &str, status: ExitStatus) -> Result<()> {
         output.contains("agent | config reloaded"),
         "no reload without {DRAINED}"
     );
+    // The upgrade: the agent stops and a new one takes the pinned maps and links over, and
+    // no request fails, before, during or after.
+    ensure!(
+        output.contains("an upgrade: the agent stops")
+            && output.contains("agent | left attached, pinned for the next agent")
+            && output.contains("agent | took over the pinned maps")
+            && output.contains("agent | g0 took over the pinned link")
+            && output.contains("agent | g1 took over the pinned link"),
+        "no agent restart with the program kept attached"
+    );
+    let failed = output
+        .lines()
+        .find_map(|l| l.trim().strip_suffix(" requests failed"))
+        .or_else(|| {
+            output
+                .lines()
+                .find_map(|l| l.trim().split_once(" requests failed (first: "))
+                .map(|(n, _)| n)
+        })
+        .context("no count of failed requests")?;
+    ensure!(failed == "0", "{failed} requests failed");
     let last = last_table(output)?;
     for s in &up {
         ensure!(
