@@ -127,10 +127,11 @@ impl Pins {
         self.links_dir().join(interface)
     }
 
-    /// Whether an earlier agent left maps this build can take over. Fails, touching
+    /// Whether an earlier agent left maps this build can take over. Fails, changing
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
-    /// build, or a changed `flow_table_entries`), or only some of the maps.
+    /// build, or a changed `flow_table_entries`), or only some of the maps. Maps of another
+    /// layout that no link uses any more are unpinned.
     pub fn inherited(&self) -> Result<bool> {
         let fix = format!(
             "`balancer-agent detach --config FILE` removes what {} holds (the connections \
