@@ -15,7 +15,7 @@ use balancer_common::{
 };
 
 use crate::{
-    config::Config,
+    config::{Config, Pool},
     maglev::{build_table, MaglevBackend},
 };
 
@@ -151,18 +151,13 @@ impl Ids {
         let mut ids = Ids::default();
         let mut draining = Vec::new();
         let mut down = Vec::new();
+        // Configured pools by the id of their VIP.
         let mut pools = HashMap::new();
         for pool in &config.pool {
-            let (addr, family) = addr_words(pool.vip);
-            let key = VipKey {
-                addr,
-                port: pool.port.to_be(),
-                proto: IPPROTO_TCP,
-                family,
-            };
+            let key = vip_key(pool);
             if let Some((_, vip_id)) = vips.iter().find(|(k, _)| *k == key) {
                 ids.vips.insert(pool.name.clone(), *vip_id);
-                pools.insert(*vip_id, pool.name.clone());
+                pools.insert(*vip_id, (pool.name.clone(), key));
             }
         }
         for (id, b) in backends {
@@ -174,16 +169,12 @@ impl Ids {
             }
             let port = u16::from_be(b.port);
             if b.flags & BACKEND_F_RETIRED != 0 {
-                let vip = pools
-                    .contains_key(&b.vip_id)
-                    .then(|| vips.iter().find(|(_, v)| *v == b.vip_id))
-                    .flatten();
-                let from = vip.map(|(key, _)| (reply_key(address, port), *key));
+                let from = (pools.get(&b.vip_id)).map(|(_, key)| (reply_key(address, port), *key));
                 ids.quarantine.push((*id, now + hold(config), from));
             } else if b.flags & BACKEND_F_PRESENT != 0 {
                 let pool = pools
                     .get(&b.vip_id)
-                    .cloned()
+                    .map(|(name, _)| name.clone())
                     .unwrap_or_else(|| format!("\0gone VIP {}", b.vip_id));
                 let server = (pool.clone(), SocketAddr::new(address, port));
                 if b.flags & BACKEND_F_DRAINING != 0 {
@@ -242,7 +233,6 @@ impl Ids {
                 }
             };
             next.vips.insert(pool.name.clone(), vip_id);
-            let (addr, family) = addr_words(pool.vip);
             let mut members = Vec::new();
             let mut keys = Vec::new();
             // Configured weights of the servers that may take connections at all.
@@ -293,12 +283,7 @@ impl Ids {
             plan.vips.push(VipPlan {
                 pool: pool.name.clone(),
                 vip_id,
-                key: VipKey {
-                    addr,
-                    port: pool.port.to_be(),
-                    proto: IPPROTO_TCP,
-                    family,
-                },
+                key: vip_key(pool),
                 idle_timeout_s: pool.idle_timeout_s,
                 live_backends: members.iter().filter(|(_, w, _)| *w > 0).count() as u32,
                 table: table(&mut members.iter().map(|(_, w, _)| *w), MAGLEV_SIZE),
@@ -344,6 +329,17 @@ impl Ids {
                 MAX_BACKENDS - 1
             ),
         }
+    }
+}
+
+/// The VIP of `pool` as the program looks it up.
+fn vip_key(pool: &Pool) -> VipKey {
+    let (addr, family) = addr_words(pool.vip);
+    VipKey {
+        addr,
+        port: pool.port.to_be(),
+        proto: IPPROTO_TCP,
+        family,
     }
 }
 
