@@ -394,8 +394,9 @@ impl Dataplane {
                     Err(e) if defunct(&e) => {
                         // Its interface went away since: the link is of no use any more.
                         warn!(interface = %name, "the pinned link {} is defunct ({e:#}); attaching anew", pin.display());
-                        std::fs::remove_file(&pin)
-                            .with_context(|| format!("unpinning {}", pin.display()))?;
+                        if let Some(pins) = &self.pins {
+                            pins.unpin_link(name)?;
+                        }
                         self.attach_new(name)?
                     }
                     // Anything else leaves the link, and the program in it, as it is.
@@ -464,9 +465,7 @@ impl Dataplane {
         };
         for name in pins.linked()? {
             if !interfaces.contains(&name) && !self.links.contains_key(&name) {
-                let pin = pins.link(&name);
-                std::fs::remove_file(&pin)
-                    .with_context(|| format!("unpinning {}", pin.display()))?;
+                pins.unpin_link(&name)?;
                 info!(interface = %name, "detached (no longer configured)");
             }
         }
@@ -513,9 +512,8 @@ impl Dataplane {
         self.taken_over.remove(name);
         if let Some(link) = self.links.remove(name) {
             // Unpinned first: the link goes when its last reference, ours, does.
-            if let Some(pin) = self.pins.as_ref().map(|p| p.link(name)) {
-                std::fs::remove_file(&pin)
-                    .with_context(|| format!("unpinning {}", pin.display()))?;
+            if let Some(pins) = &self.pins {
+                pins.unpin_link(name)?;
             }
             self.program()
                 .detach(link)

@@ -127,6 +127,11 @@ impl Pins {
         self.links_dir().join(interface)
     }
 
+    /// Unpins the link of `interface`: the program leaves it once no agent holds the link.
+    pub fn unpin_link(&self, interface: &str) -> Result<()> {
+        unpin(&self.link(interface))
+    }
+
     /// Whether an earlier agent left maps this build can take over. Fails, changing
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
@@ -245,13 +250,16 @@ pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
 fn unpin_all(sub: &Path) -> Result<usize> {
     let names = entries(sub)?;
     for name in &names {
-        let path = sub.join(name);
-        std::fs::remove_file(&path).with_context(|| format!("unpinning {}", path.display()))?;
+        unpin(&sub.join(name))?;
     }
     if sub.exists() {
         std::fs::remove_dir(sub).with_context(|| format!("removing {}", sub.display()))?;
     }
     Ok(names.len())
+}
+
+fn unpin(path: &Path) -> Result<()> {
+    std::fs::remove_file(path).with_context(|| format!("unpinning {}", path.display()))
 }
 
 /// `dir` must be a directory of its own inside a bpffs, never a mount's root: `detach`
