@@ -156,6 +156,25 @@ fn write_whole(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// `balancer-agent run --config PATH` in the gateway namespace, `config` written to `path`.
+fn run_command(
+    topology: &Topology,
+    binary: &Path,
+    config: &AgentConfig,
+    path: &Path,
+) -> Result<Command> {
+    config.write(path)?;
+    let mut cmd = topology.gw().command(binary);
+    cmd.args(["run", "--config"]).arg(path);
+    Ok(cmd)
+}
+
+/// The agent's log line that says it is ready.
+fn says_ready(line: &str) -> bool {
+    line.split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|word| word == "ready")
+}
+
 /// The names these types had here before the harness used the agent's own; the benchmarks
 /// still use them.
 #[cfg(feature = "agent")]
@@ -198,14 +217,9 @@ impl<'t> Agent<'t> {
     /// Starts the agent and waits until it says it is `ready`.
     pub fn start(topology: &'t Topology, binary: &Path, config: &AgentConfig) -> Result<Self> {
         let path = topology.dir().join("agent.toml");
-        config.write(&path)?;
-        let mut cmd = topology.gw().command(binary);
-        cmd.args(["run", "--config"]).arg(&path);
+        let cmd = run_command(topology, binary, config, &path)?;
         let mut process = Process::spawn("balancer-agent", cmd, &topology.dir().join("agent.log"))?;
-        process.wait_for_line(0, READY_TIMEOUT, |line| {
-            line.split(|c: char| !c.is_ascii_alphanumeric())
-                .any(|word| word == "ready")
-        })?;
+        process.wait_for_line(0, READY_TIMEOUT, says_ready)?;
         Ok(Self {
             process,
             config: path,
@@ -222,16 +236,11 @@ impl<'t> Agent<'t> {
         config: &AgentConfig,
     ) -> Result<String> {
         let path = topology.dir().join("agent-refused.toml");
-        config.write(&path)?;
-        let mut cmd = topology.gw().command(binary);
-        cmd.args(["run", "--config"]).arg(&path);
+        let cmd = run_command(topology, binary, config, &path)?;
         let log = topology.dir().join("agent-refused.log");
         let mut process = Process::spawn("balancer-agent (to be refused)", cmd, &log)?;
         let line = process.wait_for_line(0, READY_TIMEOUT, |line| {
-            line.starts_with("error:")
-                || line
-                    .split(|c: char| !c.is_ascii_alphanumeric())
-                    .any(|word| word == "ready")
+            line.starts_with("error:") || says_ready(line)
         })?;
         ensure!(line.starts_with("error:"), "the agent started: {line}");
         let status = process.stop(STOP_GRACE)?;
