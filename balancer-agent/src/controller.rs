@@ -164,21 +164,21 @@ impl Controller {
             vip_ids: HashMap::new(),
         };
         c.adopt(config, &plan);
-        for (key, what) in draining
-            .into_iter()
-            .map(|k| (k, "draining"))
-            .chain(down.into_iter().map(|k| (k, "DOWN")))
-        {
+        let states =
+            (draining.into_iter().map(|k| (k, false))).chain(down.into_iter().map(|k| (k, true)));
+        for (key, is_down) in states {
             let Some(s) = c.servers.get_mut(&key) else {
                 continue;
             };
-            if what == "DOWN" {
+            let what = if is_down {
                 // Until `rise` checks pass, as if this agent had seen it fail.
                 s.track.down = true;
+                "DOWN"
             } else {
                 s.draining = true;
                 s.drain_started = Some(now);
-            }
+                "draining"
+            };
             s.decision.weight = 0;
             s.decision.reason = format!("{what}, as the previous agent left it");
             info!(pool = %key.0, server = %key.1, "{what}, as the previous agent left it");
