@@ -220,6 +220,10 @@ pub struct FlowEntry {
     /// Where the client's packets go next (towards the backend), and the replies.
     pub to_backend: NextHop,
     pub to_client: NextHop,
+    /// Swapped to 1 by the first FIN or RST, atomically: when both ends close at once, their
+    /// packets can meet `closed == 0` on two CPUs, and only the one that swaps a 0 out counts
+    /// the close. A u64 because the bpf target swaps 64 bits at its base instruction set.
+    pub close_claim: u64,
 }
 
 /// A FIB answer kept in a flow entry: a lookup costs more than the rest of an established
@@ -440,7 +444,7 @@ mod tests {
         assert_eq!(size_of::<BucketStats>(), 48);
         assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<FlowKey>(), 40);
-        assert_eq!(size_of::<FlowEntry>(), 88);
+        assert_eq!(size_of::<FlowEntry>(), 96);
         assert_eq!(size_of::<NextHop>(), 24);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);

@@ -129,10 +129,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             if entry.acked == 0 && !syn {
                 entry.acked = 1;
             }
-            if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
-                entry.closed = 1;
-                note_closed(entry.backend_id);
-            }
+            note_fin(pkt, entry);
             let ports = (pkt.key.sport, entry.nat_port);
             let ends = (&pkt.key.src, &entry.nat_addr);
             let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
@@ -232,6 +229,7 @@ fn new_flow(
         last_seen_ns: now,
         to_backend: NextHop::default(),
         to_client: NextHop::default(),
+        close_claim: 0,
     };
     let ports = (pkt.key.sport, backend.port);
     let ends = (&pkt.key.src, &backend.addr);
@@ -319,10 +317,7 @@ fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) ->
     if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
         entry.last_seen_ns = now;
     }
-    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
-        entry.closed = 1;
-        note_closed(entry.backend_id);
-    }
+    note_fin(pkt, entry);
     count(Counter::Return);
     if nat::rewrite_src(ctx, pkt, &vip.addr, vip.port).is_err() {
         count(Counter::PassMalformed);
@@ -332,6 +327,17 @@ fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) ->
     let ends = (&vip.addr, &pkt.key.dst);
     let hop = cached_hop(ctx, pkt, &mut entry.to_client, now, ends, ports);
     nat::send(ctx, pkt, hop)
+}
+
+/// A FIN or RST from either end closes the flow, counted once however many arrive.
+#[inline(always)]
+fn note_fin(pkt: &Packet, entry: &mut FlowEntry) {
+    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
+        entry.closed = 1;
+        if room::claim(&mut entry.close_claim) {
+            note_closed(entry.backend_id);
+        }
+    }
 }
 
 #[inline(always)]

@@ -41,6 +41,22 @@ pub fn note_close(id: u32) {
     }
 }
 
+/// Swaps 1 into `*p` atomically (BPF_XCHG): true for the one caller that found 0.
+#[inline(always)]
+pub fn claim(p: *mut u64) -> bool {
+    // SAFETY: a valid, aligned u64 in a map's value area for this program run.
+    #[cfg(target_arch = "bpf")]
+    unsafe {
+        core::intrinsics::atomic_xchg::<u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1)
+            == 0
+    }
+    // Host builds exist only so that the workspace's clippy and tests compile this crate.
+    #[cfg(not(target_arch = "bpf"))]
+    unsafe {
+        core::mem::replace(&mut *p, 1) == 0
+    }
+}
+
 /// An atomic add (BPF_ATOMIC_ADD): the bpf target offers no `AtomicU64::fetch_add` (it has
 /// no compare-and-swap) but the instruction itself has existed since the first eBPF.
 #[inline(always)]
