@@ -26,9 +26,30 @@ pub const MAX_WEIGHT: u32 = 1_000_000;
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub agent: Agent,
+    /// Sharing flows with the other gateways of the same VIPs; none when absent.
+    #[serde(default)]
+    pub sync: Option<FlowSync>,
     #[serde(default)]
     pub pool: Vec<Pool>,
 }
+
+/// `[sync]`: gateways behind ECMP tell each other every flow they place, so that a
+/// connection keeps its server when its packets move to another gateway (`sync.rs`). Read
+/// at start only.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowSync {
+    /// Where this agent receives its peers' flows (UDP).
+    pub listen: SocketAddr,
+    /// The other gateways' `listen` addresses; datagrams from any other address are refused.
+    pub peers: Vec<SocketAddr>,
+    /// A file holding the key all the gateways share (at least 32 bytes; surrounding
+    /// whitespace is ignored): every datagram is authenticated with it.
+    pub key_file: PathBuf,
+}
+
+/// More peers than this is a configuration mistake: every flow is sent to each.
+pub const MAX_SYNC_PEERS: usize = 32;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -238,6 +259,37 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
+    if sync.listen.port() == 0 {
+        return Err(("sync.listen".into(), "needs a port".into()));
+    }
+    if sync.peers.is_empty() || sync.peers.len() > MAX_SYNC_PEERS {
+        return Err((
+            "sync.peers".into(),
+            format!("needs 1 to {MAX_SYNC_PEERS} peers"),
+        ));
+    }
+    let mut seen = HashSet::new();
+    for peer in &sync.peers {
+        if peer.port() == 0 || peer.ip().is_unspecified() {
+            return Err(("sync.peers".into(), format!("{peer} cannot be a peer")));
+        }
+        if *peer == sync.listen {
+            return Err((
+                "sync.peers".into(),
+                format!("{peer} is this agent's own sync.listen"),
+            ));
+        }
+        if !seen.insert(peer) {
+            return Err(("sync.peers".into(), format!("{peer} is listed twice")));
+        }
+    }
+    if sync.key_file.as_os_str().is_empty() {
+        return Err(("sync.key_file".into(), "must not be empty".into()));
+    }
+    Ok(())
+}
+
 impl Config {
     pub fn load(file: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(file).map_err(|e| ConfigError {
@@ -312,6 +364,9 @@ impl Config {
                     ),
                 ));
             }
+        }
+        if let Some(sync) = &self.sync {
+            validate_sync(sync)?;
         }
         if !(1024..=1 << 26).contains(&a.flow_table_entries) {
             return Err((
@@ -647,6 +702,58 @@ metrics_port = 8001
             let err = parse(&text).expect_err(to);
             assert!(err.starts_with("balancer.toml: "), "{err}");
             assert!(err.contains(key), "{to}: {err}");
+        }
+    }
+
+    #[test]
+    fn sync_names_its_socket_peers_and_key() {
+        let sync = "[sync]\nlisten = \"10.0.0.1:7471\"\npeers = [\"10.0.0.2:7471\"]\n\
+                    key_file = \"/etc/balancer/sync.key\"\n";
+        let text = GOOD.replacen("\n[[pool]]", &format!("\n{sync}\n[[pool]]"), 1);
+        let c = parse(&text).unwrap();
+        let s = c.sync.unwrap();
+        assert_eq!(
+            s.peers,
+            vec!["10.0.0.2:7471".parse::<SocketAddr>().unwrap()]
+        );
+        assert_eq!(parse(GOOD).unwrap().sync, None);
+        for (from, to, problem) in [
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = []",
+                "needs 1 to 32 peers",
+            ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"10.0.0.1:7471\"]",
+                "this agent's own sync.listen",
+            ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"10.0.0.2:7471\", \"10.0.0.2:7471\"]",
+                "listed twice",
+            ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"0.0.0.0:7471\"]",
+                "cannot be a peer",
+            ),
+            ("10.0.0.1:7471", "10.0.0.1:0", "needs a port"),
+            ("10.0.0.1:7471", "10.0.0.1", "invalid socket address"),
+            (
+                "key_file = \"/etc/balancer/sync.key\"",
+                "key_file = \"\"",
+                "must not be empty",
+            ),
+            (
+                "key_file = \"/etc/balancer/sync.key\"",
+                "",
+                "missing field `key_file`",
+            ),
+        ] {
+            let bad = text.replacen(from, to, 1);
+            let err = parse(&bad).expect_err(to);
+            assert!(err.contains(problem), "{to}: {err}");
         }
     }
 

@@ -5,11 +5,14 @@
 use std::{
     collections::{HashMap, HashSet},
     net::SocketAddr,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
-use balancer_common::{BackendStats, Counter, VipInfo, VipKey, BUDGET_UNKNOWN};
+use balancer_common::{
+    addr_words, BackendStats, Counter, FlowKey, VipInfo, VipKey, BUDGET_UNKNOWN, IPPROTO_TCP,
+};
 use tracing::{info, warn};
 
 use crate::{
@@ -21,6 +24,7 @@ use crate::{
     health::{Outcome, Track, Transition},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
+    sync::{self, Kind},
 };
 
 /// A server is identified by its pool and its API address.
@@ -118,6 +122,8 @@ pub struct Controller {
     /// Prefix-hint buckets of the pools that take hints, and each pool's VIP id.
     affinity: HashMap<String, PoolAffinity>,
     vip_ids: HashMap<String, u32>,
+    /// What sharing flows with other gateways did, when `[sync]` is on.
+    sync_stats: Option<Arc<sync::Stats>>,
 }
 
 impl Controller {
@@ -162,6 +168,7 @@ impl Controller {
             applied: HashMap::new(),
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
+            sync_stats: None,
         };
         c.adopt(config, &plan);
         let states =
@@ -859,10 +866,63 @@ impl Controller {
             .collect())
     }
 
+    /// Counts of the sharing of flows with other gateways; empty without `[sync]`.
+    pub fn sync_counters(&self) -> Vec<(String, u64)> {
+        self.sync_stats
+            .as_ref()
+            .map(|s| s.counters())
+            .unwrap_or_default()
+    }
+
+    pub fn share_stats(&mut self, stats: Arc<sync::Stats>) {
+        self.sync_stats = Some(stats);
+    }
+
+    /// Writes what other gateways reported of their flows into the flow table, for the VIPs
+    /// and servers this agent has. Returns how many it wrote and how many named a VIP or a
+    /// server it does not have (or a client of the other family).
+    pub fn adopt_flows(&mut self, events: &[sync::Event]) -> (u64, u64) {
+        let (mut applied, mut unknown) = (0, 0);
+        for e in events {
+            let pool = self
+                .config
+                .pool
+                .iter()
+                .find(|p| SocketAddr::new(p.vip, p.port) == e.vip);
+            let found = pool.and_then(|p| {
+                let server = self.servers.get(&(p.name.clone(), e.backend))?;
+                Some((p.idle_timeout_s, server.id))
+            });
+            let (client, family) = addr_words(e.client.ip());
+            let (vip, vip_family) = addr_words(e.vip.ip());
+            let (backend, _) = addr_words(e.backend.ip());
+            let Some((idle, id)) = found.filter(|_| family == vip_family) else {
+                unknown += 1;
+                continue;
+            };
+            let key = FlowKey {
+                src: client,
+                dst: vip,
+                sport: e.client.port().to_be(),
+                dport: e.vip.port().to_be(),
+                proto: IPPROTO_TCP,
+                family,
+                _pad: [0; 2],
+            };
+            let target = (id, backend, e.backend.port().to_be());
+            match self.dp.adopt_flow(&key, target, idle, e.kind == Kind::Open) {
+                Ok(()) => applied += 1,
+                Err(err) => warn!("{err:#}"),
+            }
+        }
+        (applied, unknown)
+    }
+
     /// Everything the agent's metrics endpoint reports, now.
     pub fn snapshot(&self) -> crate::exporter::Snapshot {
         crate::exporter::Snapshot {
             counters: self.counters().unwrap_or_default(),
+            sync: self.sync_counters(),
             pools: self
                 .config
                 .pool
@@ -886,9 +946,10 @@ impl Controller {
             DrainStatus { pool, server } => {
                 self.drain_status(&pool, &server).map(Response::DrainStatus)
             }
-            Counters => self
-                .counters()
-                .map(|counters| Response::Counters { counters }),
+            Counters => self.counters().map(|mut counters| {
+                counters.extend(self.sync_counters());
+                Response::Counters { counters }
+            }),
             Buckets { pool } => self.buckets(&pool).map(Response::Buckets),
             Hint { pool } => match self.config.pool.iter().find(|p| p.name == pool) {
                 None => Err(anyhow::anyhow!("no pool named {pool:?}")),

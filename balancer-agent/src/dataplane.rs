@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues},
+    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf},
     programs::{
         links::{FdLink, PinnedLink},
         xdp::{XdpLink, XdpLinkId},
@@ -20,8 +20,9 @@ use aya::{
 };
 use balancer_common::{
     bucket_slot, hint::HintRange, Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter,
-    FlowEntry, FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS,
-    BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
+    FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE,
+    ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
+    VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -131,6 +132,8 @@ pub struct Dataplane {
     closes: MappedSlots,
     /// `BucketStats` per bucket slot: `BUCKET_STAT_SLOTS` slots each.
     bucket_stats: MappedSlots,
+    /// The program's reports of shared flows, until the sync sender takes it.
+    flow_events: Option<RingBuf<MapData>>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
     /// What `REPLIES` holds now.
@@ -196,6 +199,7 @@ impl Dataplane {
             "BUCKET_STATS",
             BUCKET_SLOTS * BUCKET_STAT_SLOTS,
         )?;
+        let flow_events = Some(RingBuf::try_from(take(&mut ebpf, "FLOW_EVENTS")?)?);
         let mut dp = Dataplane {
             ebpf,
             vips,
@@ -211,6 +215,7 @@ impl Dataplane {
             opens,
             closes,
             bucket_stats,
+            flow_events,
             installed: HashMap::new(),
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
@@ -326,7 +331,7 @@ impl Dataplane {
                 hint_start: hint.start,
                 hint_span: hint.span,
                 hint_buckets: hint.buckets,
-                _pad: 0,
+                flags: if vip.shared { VIP_F_SYNC } else { 0 },
             };
             if installed != Some((vip.key, info)) {
                 self.vips
@@ -599,6 +604,63 @@ impl Dataplane {
         load[1].store(closed.load(Ordering::Relaxed), Ordering::Relaxed);
         // `budget` and `_pad` share the third slot, budget in the low half (little-endian).
         load[2].store(u64::from(budget as u32), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The ring of the program's reports of shared flows (`sync.rs`), once.
+    pub fn take_flow_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.flow_events.take()
+    }
+
+    /// Writes what another gateway reported of one of its flows (`sync.rs`). Opened: the
+    /// entry names backend `id` at `addr:port` (network order) and lives as one of this
+    /// gateway's own would, so that the connection keeps its server when its packets come
+    /// here; an entry already naming that backend only has its time refreshed. Closed: an
+    /// entry naming that backend is marked closed, so that a SYN reusing the tuple is
+    /// balanced anew. Such a flow's close is never counted here (`close_claim` is taken),
+    /// since its open was not: each gateway's counts are of the flows it opened.
+    pub fn adopt_flow(
+        &mut self,
+        key: &FlowKey,
+        (id, addr, port): (u32, [u32; 4], u16),
+        idle_timeout_s: u32,
+        open: bool,
+    ) -> Result<()> {
+        let now = monotonic_ns();
+        let synced = ((now >> 30) as u32).max(1);
+        let same = self
+            .flows
+            .get(key, 0)
+            .ok()
+            .filter(|e| e.backend_id == id && e.nat_addr == addr && e.nat_port == port);
+        let entry = match (open, same) {
+            (true, Some(e)) => FlowEntry {
+                closed: 0,
+                last_seen_ns: now,
+                synced,
+                ..e
+            },
+            (true, None) => FlowEntry {
+                nat_addr: addr,
+                nat_port: port,
+                closed: 0,
+                acked: 1,
+                backend_id: id,
+                idle_timeout_s,
+                synced,
+                last_seen_ns: now,
+                to_backend: NextHop::default(),
+                to_client: NextHop::default(),
+                close_claim: 1,
+            },
+            (false, Some(e)) => FlowEntry { closed: 1, ..e },
+            // Closed elsewhere, and not known here (or known with another server): nothing
+            // to mark.
+            (false, None) => return Ok(()),
+        };
+        self.flows
+            .insert(key, entry, 0)
+            .context("writing a shared flow")?;
         Ok(())
     }
 

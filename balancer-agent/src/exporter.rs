@@ -19,6 +19,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 pub struct Snapshot {
     /// The program's counters, by name (`Counter::name`), summed over CPUs.
     pub counters: Vec<(String, u64)>,
+    /// Flows shared with other gateways (`sync.rs`), by name; empty without `[sync]`.
+    pub sync: Vec<(String, u64)>,
     pub pools: Vec<PoolView>,
 }
 
@@ -63,6 +65,21 @@ impl Collector for Snapshot {
         for (name, value) in &self.counters {
             let labels: Labels = vec![("event", name.clone())];
             ConstCounter::new(*value).encode(events.encode_family(&labels)?)?;
+        }
+        if !self.sync.is_empty() {
+            let mut sync = encoder.encode_descriptor(
+                "sync_events",
+                "Flows shared with other gateways: events sent (to each peer), datagrams that \
+                 could not be sent, events received and applied, events naming a VIP or server \
+                 this agent does not have, datagrams refused (not from a peer, bad tag, \
+                 malformed, stale).",
+                None,
+                ConstCounter::new(0u64).metric_type(),
+            )?;
+            for (name, value) in &self.sync {
+                let labels: Labels = vec![("event", name.clone())];
+                ConstCounter::new(*value).encode(sync.encode_family(&labels)?)?;
+            }
         }
         let servers = || {
             self.pools.iter().flat_map(|p| {
@@ -170,6 +187,7 @@ mod tests {
     fn exposition_reads_back_as_the_snapshot() {
         let snapshot = Snapshot {
             counters: vec![("packets".into(), 12), ("flow_new_syn".into(), 3)],
+            sync: vec![("sync_sent".into(), 7)],
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
                 vip: "192.0.2.60:8000".into(),
@@ -198,6 +216,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(value("balancer_xdp_events_total", None), [12.0, 3.0]);
+        assert_eq!(value("balancer_sync_events_total", None), [7.0]);
         assert_eq!(
             value("balancer_server_running", Some("10.4.0.11:8000")),
             [3.0]

@@ -16,3 +16,4 @@ pub mod plan;
 pub mod policy;
 pub mod run;
 pub mod scrape;
+pub mod sync;

@@ -135,8 +135,9 @@ impl Pins {
     /// Whether an earlier agent left maps this build can take over. Fails, changing
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
-    /// build, or a changed `flow_table_entries`), or only some of the maps. Maps of another
-    /// layout that no link uses any more are unpinned.
+    /// build, or a changed `flow_table_entries`), or only some of the maps (a missing ring
+    /// buffer is no loss: it is created). Maps of another layout that no link uses any more
+    /// are unpinned.
     pub fn inherited(&self) -> Result<bool> {
         let fix = format!(
             "`balancer-agent detach --config FILE` removes what {} holds (the connections \
@@ -165,7 +166,11 @@ impl Pins {
         let mut missing = Vec::new();
         for (name, path) in self.map_paths() {
             if !path.exists() {
-                missing.push(name);
+                // A ring holds no state to carry over: one that an earlier build did not
+                // have is created and pinned now, and the upgrade goes on.
+                if self.maps[&name].kind != Some(MapType::RingBuf) {
+                    missing.push(name);
+                }
                 continue;
             }
             let info = MapInfo::from_pin(&path)

@@ -35,6 +35,8 @@ pub struct VipPlan {
     /// Each configured server's id, in configuration order.
     pub members: Vec<(SocketAddr, u32)>,
     pub hint: Option<HintRange>,
+    /// Its flows are shared with other gateways (`[sync]`).
+    pub shared: bool,
 }
 
 /// What the maps should hold.
@@ -290,6 +292,7 @@ impl Ids {
                 alternates: table(&mut alternates.into_iter(), ALTERNATES_SIZE),
                 members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
                 hint: pool.hint_range(),
+                shared: config.sync.is_some(),
             });
         }
         for (key, id) in &self.backends {

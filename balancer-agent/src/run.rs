@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use futures_util::future::join_all;
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::{TcpListener, UnixListener, UnixStream},
+    net::{TcpListener, UdpSocket, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
     time::{sleep, timeout, Instant},
 };
@@ -29,6 +29,7 @@ use crate::{
     health::Checker,
     pins::Pins,
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
+    sync,
 };
 
 type Shared = Arc<Mutex<Controller>>;
@@ -54,6 +55,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 .await
                 .with_context(|| format!("agent.metrics_listen: binding {addr}"))?,
         ),
+        None => None,
+    };
+    let sharing = match &config.sync {
+        Some(s) => {
+            let key = sync::Key::load(&s.key_file)?;
+            let socket = UdpSocket::bind(s.listen)
+                .await
+                .with_context(|| format!("sync.listen: binding {}", s.listen))?;
+            Some((Arc::new(socket), key, s.peers.clone()))
+        }
         None => None,
     };
     let socket_path = config.agent.control_socket.clone();
@@ -92,6 +103,25 @@ pub async fn run(config_path: &Path) -> Result<()> {
     ];
     if let Some(listener) = metrics {
         tasks.push(tokio::spawn(export(listener, ctl.clone())));
+    }
+    if let Some((socket, key, peers)) = sharing {
+        let stats = Arc::new(sync::Stats::default());
+        let ring = {
+            let mut c = lock(&ctl);
+            c.share_stats(stats.clone());
+            c.dataplane().take_flow_events()
+        };
+        if let Some(ring) = ring {
+            let to = (socket.clone(), peers.clone(), key.clone(), stats.clone());
+            tasks.push(tokio::spawn(sync::send_loop(ring, to.0, to.1, to.2, to.3)));
+        }
+        let from = peers.iter().map(|p| p.ip()).collect();
+        let c = ctl.clone();
+        let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
+        tasks.push(tokio::spawn(sync::receive_loop(
+            socket, from, key, stats, apply,
+        )));
+        info!(peers = ?peers, "sharing flows with the other gateways");
     }
     loop {
         tokio::select! {
@@ -132,6 +162,11 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     }
     if new.agent.pin_dir != old.pin_dir {
         warn!("agent.pin_dir changes only when the agent restarts");
+    }
+    let mut new = new;
+    if new.sync != c.config().sync {
+        warn!("[sync] changes only when the agent restarts");
+        new.sync = c.config().sync.clone();
     }
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();

@@ -101,8 +101,13 @@ pub struct VipInfo {
     pub hint_start: u16,
     pub hint_span: u16,
     pub hint_buckets: u16,
-    pub _pad: u16,
+    /// `VIP_F_*` bits.
+    pub flags: u16,
 }
+
+/// The agent shares this VIP's flows with other gateways (`[sync]`): the program reports
+/// each new flow, each close and, while a flow lives, a keepalive in `FLOW_EVENTS`.
+pub const VIP_F_SYNC: u16 = 1;
 
 /// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that
 /// already hold the prefix; 0 marks an empty place.
@@ -213,7 +218,9 @@ pub struct FlowEntry {
     pub acked: u8,
     pub backend_id: u32,
     pub idle_timeout_s: u32,
-    pub _pad: u32,
+    /// For a flow shared with other gateways: when it was last reported to them, in units of
+    /// 2^30 ns of `bpf_ktime_get_coarse_ns` (about a second); 0 for a flow not shared.
+    pub synced: u32,
     /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC_COARSE) of the last packet in either
     /// direction, refreshed at most once per second to keep the shared cache line quiet.
     pub last_seen_ns: u64,
@@ -243,6 +250,31 @@ pub struct NextHop {
     pub len: u16,
     pub _pad: u16,
 }
+
+/// What the program reports of a shared flow (`VIP_F_SYNC`) in `FLOW_EVENTS`: the agent
+/// sends it to the other gateways, whose agents write the same entry into their flow tables,
+/// so that the flow keeps its backend when its packets arrive there instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FlowEvent {
+    pub key: FlowKey,
+    /// The backend, as in the flow's entry.
+    pub nat_addr: [u32; 4],
+    /// Network byte order.
+    pub nat_port: u16,
+    /// `FLOW_EVENT_*`.
+    pub kind: u8,
+    pub _pad: u8,
+}
+
+/// A new flow, or a live one reported again before other gateways' entries could expire.
+pub const FLOW_EVENT_OPEN: u8 = 1;
+/// The flow's first FIN or RST.
+pub const FLOW_EVENT_CLOSE: u8 = 2;
+/// Size of the `FLOW_EVENTS` ring: about 15,000 events (64 bytes and an 8-byte header each),
+/// several seconds of new connections at the gateway benchmark's rate, for an agent that
+/// drains it every few milliseconds.
+pub const FLOW_EVENTS_BYTES: u32 = 1 << 20;
 
 /// A backend as its replies name it: source address and port.
 #[repr(C)]
@@ -335,6 +367,9 @@ pub enum Counter {
     /// A new SYN's Maglev pick had no room (no free slot before a request would wait) and
     /// one of the flow's two draws from the VIP's alternates had more: it went there.
     MaglevSecond,
+    /// A flow event for other gateways (`VIP_F_SYNC`) found `FLOW_EVENTS` full (no agent
+    /// draining it): those gateways will not know the flow.
+    SyncLost,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -343,7 +378,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::MaglevSecond as u32 + 1;
+    pub const COUNT: u32 = Counter::SyncLost as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -375,6 +410,7 @@ impl Counter {
         Counter::HintWarm,
         Counter::HintMaglev,
         Counter::MaglevSecond,
+        Counter::SyncLost,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -409,6 +445,7 @@ impl Counter {
             Counter::HintWarm => "hint_warm",
             Counter::HintMaglev => "hint_maglev",
             Counter::MaglevSecond => "maglev_second",
+            Counter::SyncLost => "sync_lost",
         }
     }
 }
@@ -428,6 +465,7 @@ mod pod {
     unsafe impl aya::Pod for super::Bucket {}
     unsafe impl aya::Pod for super::BackendLoad {}
     unsafe impl aya::Pod for super::BucketStats {}
+    unsafe impl aya::Pod for super::FlowEvent {}
 }
 
 #[cfg(test)]
@@ -449,6 +487,7 @@ mod tests {
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);
+        assert_eq!(size_of::<FlowEvent>(), 60);
     }
 
     #[test]

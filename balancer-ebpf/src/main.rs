@@ -12,6 +12,7 @@ mod maps;
 mod nat;
 mod parse;
 mod room;
+mod sync;
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS},
@@ -21,7 +22,8 @@ use aya_ebpf::{
 };
 use balancer_common::{
     hash::draws, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo, VipKey,
-    ALTERNATES_SIZE, BACKEND_F_PRESENT, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
+    ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP,
+    MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -82,7 +84,7 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
                 // SAFETY: valid for this run; fields are written whole.
                 let entry = unsafe { &mut *entry };
                 if entry.nat_port == pkt.key.sport && same_addr(&entry.nat_addr, &pkt.key.src) {
-                    return reply(ctx, pkt, &vip, entry);
+                    return reply(ctx, pkt, &vip, &flow, entry);
                 }
             }
             i += 1;
@@ -125,11 +127,12 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         } else {
             if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
                 entry.last_seen_ns = now;
+                sync::keepalive(&pkt.key, entry, now);
             }
             if entry.acked == 0 && !syn {
                 entry.acked = 1;
             }
-            note_fin(pkt, entry);
+            note_fin(pkt, &pkt.key, entry);
             let ports = (pkt.key.sport, entry.nat_port);
             let ends = (&pkt.key.src, &entry.nat_addr);
             let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
@@ -225,7 +228,11 @@ fn new_flow(
         acked: u8::from(!syn),
         backend_id: id,
         idle_timeout_s: vip.idle_timeout_s,
-        _pad: 0,
+        synced: if vip.flags & VIP_F_SYNC != 0 {
+            sync::epoch(now)
+        } else {
+            0
+        },
         last_seen_ns: now,
         to_backend: NextHop::default(),
         to_client: NextHop::default(),
@@ -236,6 +243,9 @@ fn new_flow(
     let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
+    }
+    if entry.synced != 0 {
+        sync::report(&pkt.key, &entry, FLOW_EVENT_OPEN);
     }
     count(if syn {
         Counter::FlowNewSyn
@@ -307,7 +317,13 @@ fn present(id: u32) -> Option<Backend> {
 
 /// Backend -> client, a reply of the flow `entry`: make it come from the VIP.
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) -> u32 {
+fn reply(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    vip: &VipKey,
+    key: &FlowKey,
+    entry: &mut FlowEntry,
+) -> u32 {
     if pkt.ttl <= 1 {
         count(Counter::PassTtlExceeded);
         return XDP_PASS;
@@ -316,8 +332,9 @@ fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) ->
     // A stream the server sends and the client only acknowledges is alive from both ends.
     if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
         entry.last_seen_ns = now;
+        sync::keepalive(key, entry, now);
     }
-    note_fin(pkt, entry);
+    note_fin(pkt, key, entry);
     count(Counter::Return);
     if nat::rewrite_src(ctx, pkt, &vip.addr, vip.port).is_err() {
         count(Counter::PassMalformed);
@@ -329,11 +346,16 @@ fn reply(ctx: &XdpContext, pkt: &Packet, vip: &VipKey, entry: &mut FlowEntry) ->
     nat::send(ctx, pkt, hop)
 }
 
-/// A FIN or RST from either end closes the flow, counted once however many arrive.
+/// A FIN or RST from either end closes the flow, counted once however many arrive. A
+/// shared flow's close is reported, so that other gateways rebalance a SYN that reuses its
+/// tuple (at worst twice, by FINs that meet at once: the report is idempotent).
 #[inline(always)]
-fn note_fin(pkt: &Packet, entry: &mut FlowEntry) {
+fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry) {
     if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
         entry.closed = 1;
+        if entry.synced != 0 {
+            sync::report(key, entry, FLOW_EVENT_CLOSE);
+        }
         if room::claim(&mut entry.close_claim) {
             note_closed(entry.backend_id);
         }

@@ -4,12 +4,12 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use balancer_common::{
     Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
     ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS, DEFAULT_FLOW_ENTRIES,
-    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -86,6 +86,12 @@ pub static CLOSES: Array<u64> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAP
 /// drop alternates nobody uses any more.
 #[map]
 pub static BUCKET_STATS: Array<BucketStats> = Array::with_max_entries(BUCKET_SLOTS, BPF_F_MMAPABLE);
+
+/// New flows, closes and keepalives of the VIPs whose agent shares their flows with other
+/// gateways (`VIP_F_SYNC`), as `FlowEvent`s. Written without a wakeup: the agent drains it on
+/// a short timer, which costs a SYN less than waking a reader for every event would.
+#[map]
+pub static FLOW_EVENTS: RingBuf = RingBuf::with_byte_size(FLOW_EVENTS_BYTES, 0);
 
 #[inline(always)]
 pub fn count(c: Counter) {

@@ -11,6 +11,7 @@ use balancer_agent::{
     config::Config,
     dataplane::Dataplane,
     plan::{Ids, VipPlan, Weights},
+    sync::{Event, Kind},
 };
 use balancer_common::{BackendStats, Counter};
 use balancer_tests::netns::Netns;
@@ -1208,5 +1209,182 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
             Counter::PassTruncated,
         )?;
     }
+    Ok(())
+}
+
+/// The flow key of a client connection from `sport` to `n.vip:8000`.
+fn vip_key(n: &Net, sport: u16) -> balancer_common::FlowKey {
+    let (src, family) = balancer_common::addr_words(n.client);
+    balancer_common::FlowKey {
+        src,
+        dst: balancer_common::addr_words(n.vip).0,
+        sport: sport.to_be(),
+        dport: 8000u16.to_be(),
+        proto: balancer_common::IPPROTO_TCP,
+        family,
+        _pad: [0; 2],
+    }
+}
+
+/// Every event the program has put in the ring since the last call.
+fn reported(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<Event> {
+    let mut events = Vec::new();
+    while let Some(item) = ring.next() {
+        events.push(Event::from_ring(&item).expect("the program writes well-formed events"));
+    }
+    events
+}
+
+/// Flows shared with other gateways (`[sync]`): the program reports a new flow, a keepalive
+/// once half the idle timeout has passed since the last report, and the first FIN only; a
+/// VIP without sharing reports nothing. A flow another gateway reported (written by the
+/// agent) is followed by a mid-stream packet that has no SYN here, and its close is
+/// reported but not counted, as its open was not.
+#[test]
+fn shared_flows_are_reported_and_followed() -> Result<()> {
+    let _serial = balancer_tests::serial();
+    let ns = topology()?;
+    let result = ns.enter(|| {
+        let nets = [v4(), v6()];
+        let plain = config(&nets);
+        let mut shared = plain.clone();
+        shared.sync = Some(balancer_agent::config::FlowSync {
+            listen: "10.4.0.1:7471".parse()?,
+            peers: vec!["10.4.0.2:7471".parse()?],
+            key_file: "/dev/null".into(),
+        });
+        for (config, sharing) in [(&shared, true), (&plain, false)] {
+            let mut dp = Dataplane::load(1 << 16, None)?;
+            let plan =
+                Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
+            dp.apply(&plan)?;
+            let mut ring = dp.take_flow_events().context("the ring")?;
+            let mut h = Harness {
+                dp,
+                g0: ifindex("g0")?,
+                g1: ifindex("g1")?,
+            };
+            for n in &nets {
+                let id = |addr: IpAddr| {
+                    let (w, _) = balancer_common::addr_words(addr);
+                    plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
+                };
+                reports(&mut h, &mut ring, n, sharing, id(n.backend))?;
+            }
+        }
+        Ok(())
+    });
+    drop(ns);
+    result
+}
+
+fn reports(
+    h: &mut Harness,
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    n: &Net,
+    sharing: bool,
+    backend_id: u32,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let event = |kind, sport| Event {
+        kind,
+        client: SocketAddr::new(n.client, sport),
+        vip: SocketAddr::new(n.vip, 8000),
+        backend: SocketAddr::new(n.backend, 8000),
+    };
+    let syn = client_syn(n, n.vip, 40300);
+    let ack = syn.with(|f| f.flags = "A");
+    let reply_fin = Frame {
+        smac: MAC_S0,
+        dmac: MAC_G1,
+        vlan: None,
+        src: n.backend,
+        dst: n.client,
+        sport: 8000,
+        dport: 40300,
+        ttl: 64,
+        flags: "FA",
+        bulk: 0,
+    };
+    let run = |h: &mut Harness, ingress: u32, f: &Frame| -> Result<()> {
+        let (v, _) = h.run(ingress, &f.bytes())?;
+        ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
+        Ok(())
+    };
+    let g0 = h.g0;
+    let g1 = h.g1;
+    run(h, g0, &syn)?;
+    let want = |events: Vec<Event>| if sharing { events } else { Vec::new() };
+    ensure!(
+        reported(ring) == want(vec![event(Kind::Open, 40300)]),
+        "{fam}: a new flow"
+    );
+    run(h, g0, &ack)?;
+    ensure!(reported(ring).is_empty(), "{fam}: reported again at once");
+    // Half the idle timeout (600 s) since the last report, and a second since the last
+    // packet: the next packet reports it again, as a reply would.
+    let key = vip_key(n, 40300);
+    let mut e = h.dp.flow_table().get(&key, 0)?;
+    ensure!((e.synced != 0) == sharing, "{fam}: synced {}", e.synced);
+    if sharing {
+        e.synced = epoch().wrapping_sub(300);
+    }
+    e.last_seen_ns -= 2_000_000_000;
+    h.dp.flow_table().insert(key, e, 0)?;
+    run(h, g1, &reply_fin.with(|f| f.flags = "PA"))?;
+    ensure!(
+        reported(ring) == want(vec![event(Kind::Open, 40300)]),
+        "{fam}: a keepalive"
+    );
+    run(h, g1, &reply_fin)?;
+    run(h, g0, &ack.with(|f| f.flags = "FA"))?;
+    ensure!(
+        reported(ring) == want(vec![event(Kind::Close, 40300)]),
+        "{fam}: the first FIN only"
+    );
+
+    // A flow of another gateway: no SYN here, and it goes where that gateway sent it.
+    if !sharing {
+        return Ok(());
+    }
+    let key = vip_key(n, 40301);
+    let (addr, _) = balancer_common::addr_words(n.backend);
+    h.dp.adopt_flow(&key, (backend_id, addr, 8000u16.to_be()), 600, true)?;
+    let before = h.stats(backend_id);
+    let data = ack.with(|f| {
+        f.sport = 40301;
+        f.flags = "PA";
+    });
+    h.expect(
+        &format!("{fam} data of a flow another gateway opened"),
+        g0,
+        &data.bytes(),
+        XDP_REDIRECT,
+        &data
+            .with(|f| {
+                f.smac = MAC_G1;
+                f.dmac = MAC_BACKEND;
+                f.dst = n.backend;
+                f.ttl -= 1;
+            })
+            .bytes(),
+        Counter::Forward,
+    )?;
+    run(h, g0, &data.with(|f| f.flags = "FA"))?;
+    ensure!(
+        reported(ring) == vec![event(Kind::Close, 40301)],
+        "{fam}: the adopted flow's close is reported"
+    );
+    let after = h.stats(backend_id);
+    ensure!(
+        (after.flows_opened, after.flows_closed) == (before.flows_opened, before.flows_closed),
+        "{fam}: an adopted flow counted as opened or closed here: {before:?} -> {after:?}"
+    );
+    // The other gateway's close marks it closed here: a SYN on its tuple is balanced anew.
+    h.dp.adopt_flow(&key, (backend_id, addr, 8000u16.to_be()), 600, false)?;
+    ensure!(
+        h.dp.flow_table().get(&key, 0)?.closed == 1,
+        "{fam}: not closed"
+    );
     Ok(())
 }

@@ -1,0 +1,470 @@
+//! Flow sharing between gateways (`[sync]`). Behind ECMP, a gateway that fails or leaves
+//! moves its connections' packets to another one, whose Maglev table differs (weights follow
+//! each agent's own scrapes) and which never saw the flows placed by a hint, a spill or a
+//! second draw. So each program reports its shared flows (`FLOW_EVENTS`: open, close, and a
+//! keepalive every half idle timeout) and the agent sends them to its peers, whose agents
+//! write the same backend into their own flow tables: the connection stays on its server
+//! whichever gateway its packets cross.
+//!
+//! On the wire: one UDP datagram per batch of at most [`MAX_EVENTS`] events, a version byte,
+//! the batch in postcard, and an HMAC-SHA256 of both under the key all gateways share.
+//! Servers and VIPs are named by address, since each agent numbers its backends itself. A
+//! datagram from an address that is not a peer, with a wrong tag, or sent more than
+//! [`MAX_AGE`] ago (a replay) changes nothing and is counted.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{bail, Context, Result};
+use aya::maps::{MapData, RingBuf};
+use balancer_common::{words_addr, FlowEvent, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN};
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+use tokio::net::UdpSocket;
+use tracing::{debug, warn};
+
+/// The format of the datagrams; a receiver refuses any other.
+pub const VERSION: u8 = 1;
+/// Events per datagram: 16 IPv6 events take about 900 bytes, under any path's MTU.
+pub const MAX_EVENTS: usize = 16;
+/// A datagram stamped longer ago than this, or further ahead, is refused: replaying one
+/// cannot bring a closed flow back. The gateways' clocks must agree within it (NTP).
+pub const MAX_AGE: Duration = Duration::from_secs(30);
+/// The shortest key accepted: 32 bytes, the HMAC-SHA256 block's strength.
+pub const MIN_KEY_BYTES: usize = 32;
+/// How often the agent drains the program's ring: the longest a new flow waits before its
+/// peers hear of it, at most a few hundred events each time at the gateway benchmark's rate.
+pub const DRAIN_INTERVAL: Duration = Duration::from_millis(10);
+
+const TAG_BYTES: usize = 32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    /// A new flow, or a live one reported again.
+    Open,
+    /// Its first FIN or RST.
+    Close,
+}
+
+/// One flow as gateways tell each other: the client's end, the VIP it connected to, and the
+/// backend it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    pub kind: Kind,
+    pub client: SocketAddr,
+    pub vip: SocketAddr,
+    pub backend: SocketAddr,
+}
+
+impl Event {
+    /// The event the program wrote, if it is well formed.
+    pub fn from_ring(bytes: &[u8]) -> Option<Event> {
+        if bytes.len() < std::mem::size_of::<FlowEvent>() {
+            return None;
+        }
+        // SAFETY: FlowEvent is plain integers (every bit pattern valid), and the read is
+        // unaligned-safe over a slice checked to be long enough.
+        let e: FlowEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let kind = match e.kind {
+            FLOW_EVENT_OPEN => Kind::Open,
+            FLOW_EVENT_CLOSE => Kind::Close,
+            _ => return None,
+        };
+        let family = e.key.family;
+        let end = |words, port: u16| {
+            Some(SocketAddr::new(
+                words_addr(words, family)?,
+                u16::from_be(port),
+            ))
+        };
+        Some(Event {
+            kind,
+            client: end(e.key.src, e.key.sport)?,
+            vip: end(e.key.dst, e.key.dport)?,
+            backend: end(e.nat_addr, e.nat_port)?,
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Batch {
+    /// Milliseconds since the Unix epoch, by the sender's clock.
+    sent_ms: u64,
+    events: Vec<Event>,
+}
+
+/// The key every gateway of the VIPs shares.
+#[derive(Clone)]
+pub struct Key(Vec<u8>);
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(..)")
+    }
+}
+
+impl Key {
+    pub fn new(bytes: &[u8]) -> Result<Key> {
+        if bytes.len() < MIN_KEY_BYTES {
+            bail!(
+                "the key has {} bytes; at least {MIN_KEY_BYTES} are needed (for example \
+                 `head -c 48 /dev/urandom | base64`)",
+                bytes.len()
+            );
+        }
+        Ok(Key(bytes.to_vec()))
+    }
+
+    /// The file's contents without surrounding whitespace.
+    pub fn load(path: &Path) -> Result<Key> {
+        let text = std::fs::read(path)
+            .with_context(|| format!("sync.key_file: reading {}", path.display()))?;
+        Key::new(text.trim_ascii()).with_context(|| format!("sync.key_file {}", path.display()))
+    }
+
+    fn mac(&self) -> Hmac<Sha256> {
+        Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+    }
+}
+
+/// Why a datagram was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("too short to be ours")]
+    Short,
+    #[error("format version {0}, not {VERSION}")]
+    Version(u8),
+    #[error("its tag does not match: another key, or altered")]
+    Tag,
+    #[error("malformed batch: {0}")]
+    Malformed(String),
+    #[error("{0} events, more than {MAX_EVENTS}")]
+    TooMany(usize),
+    #[error("stamped {0} ms away from this gateway's clock (replayed, or clocks apart)")]
+    Stale(i128),
+}
+
+/// `events` as one datagram (at most [`MAX_EVENTS`] of them).
+pub fn seal(key: &Key, sent_ms: u64, events: &[Event]) -> Vec<u8> {
+    debug_assert!(events.len() <= MAX_EVENTS);
+    let batch = Batch {
+        sent_ms,
+        events: events.to_vec(),
+    };
+    let mut out =
+        postcard::to_extend(&batch, vec![VERSION]).expect("a batch always serializes into a Vec");
+    let mut mac = key.mac();
+    mac.update(&out);
+    out.extend_from_slice(&mac.finalize().into_bytes());
+    out
+}
+
+/// The events of a datagram, if it is authentic, well formed and recent at `now_ms`.
+pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Vec<Event>, Refused> {
+    if datagram.len() < 1 + TAG_BYTES {
+        return Err(Refused::Short);
+    }
+    let (body, tag) = datagram.split_at(datagram.len() - TAG_BYTES);
+    let mut mac = key.mac();
+    mac.update(body);
+    // Constant-time comparison, before anything in the body is believed.
+    mac.verify_slice(tag).map_err(|_| Refused::Tag)?;
+    if body[0] != VERSION {
+        return Err(Refused::Version(body[0]));
+    }
+    let batch: Batch =
+        postcard::from_bytes(&body[1..]).map_err(|e| Refused::Malformed(e.to_string()))?;
+    if batch.events.len() > MAX_EVENTS {
+        return Err(Refused::TooMany(batch.events.len()));
+    }
+    let skew = i128::from(now_ms) - i128::from(batch.sent_ms);
+    if skew.unsigned_abs() > MAX_AGE.as_millis() {
+        return Err(Refused::Stale(skew));
+    }
+    Ok(batch.events)
+}
+
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What sharing did since the agent started, for `counters` and the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Events this agent sent (each to every peer).
+    pub sent: AtomicU64,
+    /// Datagrams that could not be sent.
+    pub send_errors: AtomicU64,
+    /// Events received and written to the flow table.
+    pub applied: AtomicU64,
+    /// Events received for a VIP or server this agent does not have.
+    pub unknown: AtomicU64,
+    /// Datagrams refused: not from a peer, bad tag, malformed, stale.
+    pub refused: AtomicU64,
+}
+
+impl Stats {
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        [
+            ("sync_sent", &self.sent),
+            ("sync_send_errors", &self.send_errors),
+            ("sync_applied", &self.applied),
+            ("sync_unknown", &self.unknown),
+            ("sync_refused", &self.refused),
+        ]
+        .into_iter()
+        .map(|(name, v)| (name.to_owned(), v.load(Ordering::Relaxed)))
+        .collect()
+    }
+}
+
+/// Drains the program's ring every [`DRAIN_INTERVAL`] and sends what it holds to every peer.
+pub async fn send_loop(
+    mut ring: RingBuf<MapData>,
+    socket: Arc<UdpSocket>,
+    peers: Vec<SocketAddr>,
+    key: Key,
+    stats: Arc<Stats>,
+) {
+    let mut failing = false;
+    let mut events = Vec::new();
+    loop {
+        tokio::time::sleep(DRAIN_INTERVAL).await;
+        while let Some(item) = ring.next() {
+            if let Some(e) = Event::from_ring(&item) {
+                events.push(e);
+            }
+        }
+        for batch in events.chunks(MAX_EVENTS) {
+            let datagram = seal(&key, unix_ms(), batch);
+            for peer in &peers {
+                match socket.send_to(&datagram, peer).await {
+                    Ok(_) => {
+                        stats.sent.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        failing = false;
+                    }
+                    Err(e) => {
+                        stats.send_errors.fetch_add(1, Ordering::Relaxed);
+                        // Once per run of failures, not once per datagram.
+                        if !failing {
+                            warn!(%peer, "sending flows to a peer failed: {e}");
+                        }
+                        failing = true;
+                    }
+                }
+            }
+        }
+        events.clear();
+    }
+}
+
+/// Receives peers' datagrams and hands their events to `apply`, which returns how many it
+/// wrote and how many named a VIP or server it does not have.
+pub async fn receive_loop(
+    socket: Arc<UdpSocket>,
+    peers: Vec<IpAddr>,
+    key: Key,
+    stats: Arc<Stats>,
+    apply: impl Fn(&[Event]) -> (u64, u64),
+) {
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let (len, from) = match socket.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("receiving flows: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if !peers.contains(&from.ip()) {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            debug!(%from, "refused a datagram: not from a peer");
+            continue;
+        }
+        match open(&key, &buf[..len], unix_ms()) {
+            Ok(events) => {
+                let (applied, unknown) = apply(&events);
+                stats.applied.fetch_add(applied, Ordering::Relaxed);
+                stats.unknown.fetch_add(unknown, Ordering::Relaxed);
+            }
+            Err(why) => {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                debug!(%from, "refused a datagram: {why}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use balancer_common::{addr_words, FlowKey, IPPROTO_TCP};
+
+    fn key(byte: u8) -> Key {
+        Key::new(&[byte; 32]).unwrap()
+    }
+
+    fn events(n: usize) -> Vec<Event> {
+        (0..n)
+            .map(|i| Event {
+                kind: if i % 2 == 0 { Kind::Open } else { Kind::Close },
+                client: SocketAddr::new([10, 9, 0, 2].into(), 40000 + i as u16),
+                vip: "[2001:db8::60]:8000".parse().unwrap(),
+                backend: "[fd00:4::11]:8000".parse().unwrap(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sealed_batch_opens_with_the_same_key() {
+        for n in [0, 1, MAX_EVENTS] {
+            let sent = events(n);
+            let datagram = seal(&key(1), 1_000_000, &sent);
+            assert!(
+                datagram.len() < 1200,
+                "{n} events take {} bytes",
+                datagram.len()
+            );
+            assert_eq!(open(&key(1), &datagram, 1_000_000 + 29_000), Ok(sent));
+        }
+    }
+
+    #[test]
+    fn anything_altered_or_foreign_is_refused() {
+        let datagram = seal(&key(1), 1_000_000, &events(3));
+        assert_eq!(open(&key(2), &datagram, 1_000_000), Err(Refused::Tag));
+        for i in [0, 1, datagram.len() / 2, datagram.len() - 1] {
+            let mut bad = datagram.clone();
+            bad[i] ^= 0x40;
+            assert_eq!(
+                open(&key(1), &bad, 1_000_000),
+                Err(Refused::Tag),
+                "byte {i}"
+            );
+        }
+        assert_eq!(
+            open(&key(1), &datagram[..20], 1_000_000),
+            Err(Refused::Short)
+        );
+        assert_eq!(open(&key(1), &[], 1_000_000), Err(Refused::Short));
+        assert_eq!(
+            open(&key(1), &datagram[..datagram.len() - 1], 1_000_000),
+            Err(Refused::Tag)
+        );
+    }
+
+    #[test]
+    fn authentic_but_unusable_datagrams_are_refused() {
+        let sign = |body: Vec<u8>| {
+            let mut mac = key(1).mac();
+            mac.update(&body);
+            let mut d = body;
+            d.extend_from_slice(&mac.finalize().into_bytes());
+            d
+        };
+        let mut other_version = seal(&key(1), 5, &events(1));
+        other_version.truncate(other_version.len() - TAG_BYTES);
+        other_version[0] = 2;
+        assert_eq!(
+            open(&key(1), &sign(other_version), 5),
+            Err(Refused::Version(2))
+        );
+        assert!(matches!(
+            open(&key(1), &sign(vec![VERSION, 0xff, 0xff]), 5),
+            Err(Refused::Malformed(_))
+        ));
+        let too_many = postcard::to_extend(
+            &Batch {
+                sent_ms: 5,
+                events: events(MAX_EVENTS + 1),
+            },
+            vec![VERSION],
+        )
+        .unwrap();
+        assert_eq!(
+            open(&key(1), &sign(too_many), 5),
+            Err(Refused::TooMany(MAX_EVENTS + 1))
+        );
+        let datagram = seal(&key(1), 1_000_000, &events(1));
+        assert_eq!(
+            open(&key(1), &datagram, 1_000_000 + 30_001),
+            Err(Refused::Stale(30_001))
+        );
+        assert_eq!(
+            open(&key(1), &datagram, 1_000_000 - 30_001),
+            Err(Refused::Stale(-30_001))
+        );
+    }
+
+    #[test]
+    fn short_keys_are_refused() {
+        assert!(Key::new(&[7; 31]).is_err());
+        let dir = tempfile_dir();
+        let path = dir.join("key");
+        std::fs::write(&path, format!("  {}\n", "k".repeat(32))).unwrap();
+        assert!(Key::load(&path).is_ok());
+        std::fs::write(&path, "short\n").unwrap();
+        let e = format!("{:#}", Key::load(&path).unwrap_err());
+        assert!(e.contains("sync.key_file") && e.contains("5 bytes"), "{e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("balancer-sync-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn ring_events_name_both_ends_and_the_backend() {
+        let (client, family) = addr_words("10.9.0.2".parse().unwrap());
+        let (vip, _) = addr_words("192.0.2.60".parse().unwrap());
+        let (backend, _) = addr_words("10.4.0.13".parse().unwrap());
+        let mut e = FlowEvent {
+            key: FlowKey {
+                src: client,
+                dst: vip,
+                sport: 40001u16.to_be(),
+                dport: 8000u16.to_be(),
+                proto: IPPROTO_TCP,
+                family,
+                _pad: [0; 2],
+            },
+            nat_addr: backend,
+            nat_port: 8000u16.to_be(),
+            kind: FLOW_EVENT_CLOSE,
+            _pad: 0,
+        };
+        // SAFETY: plain integers, read back as bytes.
+        let bytes = |e: &FlowEvent| unsafe {
+            std::slice::from_raw_parts((e as *const FlowEvent).cast::<u8>(), size_of::<FlowEvent>())
+                .to_vec()
+        };
+        assert_eq!(
+            Event::from_ring(&bytes(&e)),
+            Some(Event {
+                kind: Kind::Close,
+                client: "10.9.0.2:40001".parse().unwrap(),
+                vip: "192.0.2.60:8000".parse().unwrap(),
+                backend: "10.4.0.13:8000".parse().unwrap(),
+            })
+        );
+        assert_eq!(Event::from_ring(&bytes(&e)[..59]), None);
+        e.kind = 9;
+        assert_eq!(Event::from_ring(&bytes(&e)), None);
+        e.kind = FLOW_EVENT_OPEN;
+        e.key.family = 0;
+        assert_eq!(Event::from_ring(&bytes(&e)), None);
+    }
+}
