@@ -13,6 +13,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use balancer_agent::control::{BucketsView, PoolView, ServerRow};
 use serde::Serialize;
 
+use crate::netns::Netns;
 use crate::process::{run, Process, STOP_GRACE};
 use crate::topology::{Family, Topology, BACKENDS, BACKEND_PORT, GATEWAY_INTERFACES, METRICS_PORT};
 
@@ -23,6 +24,8 @@ const RELOAD_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Serialize)]
 pub struct AgentConfig {
     pub agent: AgentSection,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync: Option<SyncSection>,
     #[serde(rename = "pool")]
     pub pools: Vec<Pool>,
 }
@@ -48,6 +51,14 @@ pub struct AgentSection {
     pub flow_table_entries: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pin_dir: Option<PathBuf>,
+}
+
+/// `[sync]`: sharing flows with other gateways.
+#[derive(Debug, Clone, Serialize)]
+pub struct SyncSection {
+    pub listen: SocketAddr,
+    pub peers: Vec<SocketAddr>,
+    pub key_file: PathBuf,
 }
 
 /// `[[pool]]`; as in [`AgentSection`], `None` keys are left to the agent's defaults.
@@ -127,6 +138,7 @@ impl AgentConfig {
                 flow_table_entries: None,
                 pin_dir: None,
             },
+            sync: None,
             pools: vec![pool("chat-v4", Family::V4), pool("chat-v6", Family::V6)],
         }
     }
@@ -157,14 +169,9 @@ fn write_whole(path: &Path, text: &str) -> Result<()> {
 }
 
 /// `balancer-agent run --config PATH` in the gateway namespace, `config` written to `path`.
-fn run_command(
-    topology: &Topology,
-    binary: &Path,
-    config: &AgentConfig,
-    path: &Path,
-) -> Result<Command> {
+fn run_command(gw: &Netns, binary: &Path, config: &AgentConfig, path: &Path) -> Result<Command> {
     config.write(path)?;
-    let mut cmd = topology.gw().command(binary);
+    let mut cmd = gw.command(binary);
     cmd.args(["run", "--config"]).arg(path);
     Ok(cmd)
 }
@@ -216,9 +223,22 @@ pub struct Agent<'t> {
 impl<'t> Agent<'t> {
     /// Starts the agent and waits until it says it is `ready`.
     pub fn start(topology: &'t Topology, binary: &Path, config: &AgentConfig) -> Result<Self> {
-        let path = topology.dir().join("agent.toml");
-        let cmd = run_command(topology, binary, config, &path)?;
-        let mut process = Process::spawn("balancer-agent", cmd, &topology.dir().join("agent.log"))?;
+        Self::start_in(topology, topology.gw(), "agent", binary, config)
+    }
+
+    /// Starts an agent in the namespace `gw` (a second gateway's), with its configuration
+    /// and log named after `name` in the topology's directory.
+    pub fn start_in(
+        topology: &'t Topology,
+        gw: &Netns,
+        name: &str,
+        binary: &Path,
+        config: &AgentConfig,
+    ) -> Result<Self> {
+        let path = topology.dir().join(format!("{name}.toml"));
+        let cmd = run_command(gw, binary, config, &path)?;
+        let log = topology.dir().join(format!("{name}.log"));
+        let mut process = Process::spawn("balancer-agent", cmd, &log)?;
         process.wait_for_line(0, READY_TIMEOUT, says_ready)?;
         Ok(Self {
             process,
@@ -236,7 +256,7 @@ impl<'t> Agent<'t> {
         config: &AgentConfig,
     ) -> Result<String> {
         let path = topology.dir().join("agent-refused.toml");
-        let cmd = run_command(topology, binary, config, &path)?;
+        let cmd = run_command(topology.gw(), binary, config, &path)?;
         let log = topology.dir().join("agent-refused.log");
         let mut process = Process::spawn("balancer-agent (to be refused)", cmd, &log)?;
         let line = process.wait_for_line(0, READY_TIMEOUT, |line| {

@@ -23,6 +23,11 @@ pub const METRICS_PORT: u16 = 8001;
 pub const BACKENDS: usize = 4;
 /// The gateway's interfaces, where the balancer attaches.
 pub const GATEWAY_INTERFACES: [&str; 2] = ["g0", "g1"];
+/// The second gateway's ([`Topology::add_second_gateway`]).
+pub const SECOND_GATEWAY_INTERFACES: [&str; 2] = ["h0", "h1"];
+/// The gateways' addresses on the servers' network, where they reach each other.
+pub const GATEWAY_SERVER_SIDE: [Ipv4Addr; 2] =
+    [Ipv4Addr::new(10, 4, 0, 1), Ipv4Addr::new(10, 4, 0, 2)];
 
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 const PING_ATTEMPTS: usize = 20;
@@ -86,6 +91,7 @@ fn switch_port(index: usize) -> String {
 pub struct Topology {
     client: Netns,
     gw: Netns,
+    gw2: Option<Netns>,
     sw: Netns,
     backends: Vec<Netns>,
     dir: TempDir,
@@ -109,6 +115,7 @@ impl Topology {
         let topology = Self {
             client: Netns::create("client")?,
             gw: Netns::create("gw")?,
+            gw2: None,
             sw: Netns::create("sw")?,
             backends: (0..BACKENDS)
                 .map(|i| Netns::create(&backend_name(i)))
@@ -221,10 +228,92 @@ impl Topology {
         Ok(())
     }
 
-    /// Attaches a pass program to the gateway's peers (`c0` in client, `s0` in sw), without
-    /// which veth drops what the balancer sends them with XDP_TX or XDP_REDIRECT.
+    /// A second gateway, `gw2`, as a peer of the first behind ECMP would be: its own link
+    /// to the client (`c1`, 10.8.0.2 / fd00:8::2, to `h0`, 10.8.0.1 / fd00:8::1) and a port
+    /// on the servers' switch (`h1`, 10.4.0.2 / fd00:4::2 on `s1`), routing the client's
+    /// network back through `c1`. Traffic keeps going through the first gateway until
+    /// [`Topology::fail_over`]. Call it before [`Topology::attach_xdp_pass`].
+    pub fn add_second_gateway(&mut self) -> Result<()> {
+        let gw2 = Netns::create("gw2")?;
+        for key in ["all", "default"] {
+            gw2.sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
+            // The client answers from 10.9.0.2 on the link where 10.8.0.2 lives.
+            self.client
+                .sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
+        }
+        gw2.sysctl("net.ipv4.ip_forward", "1")?;
+        gw2.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        for (ns, dev, peer_ns, peer) in [
+            (&self.client, "c1", &gw2, "h0"),
+            (&gw2, "h1", &self.sw, "s1"),
+        ] {
+            ip(
+                ns,
+                &format!(
+                    "link add {dev} type veth peer name {peer} netns {}",
+                    peer_ns.name()
+                ),
+            )?;
+            for (ns, dev) in [(ns, dev), (peer_ns, peer)] {
+                ns.exec("ethtool", &["-K", dev, "tx", "off"])
+                    .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
+                ip(ns, &format!("link set {dev} up"))?;
+            }
+        }
+        ip(&self.sw, "link set s1 master br0")?;
+        for dev in SECOND_GATEWAY_INTERFACES {
+            gw2.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
+        }
+        add_addresses(&self.client, "c1", "10.8.0.2/24", "fd00:8::2/64")?;
+        add_addresses(&gw2, "h0", "10.8.0.1/24", "fd00:8::1/64")?;
+        add_addresses(&gw2, "h1", "10.4.0.2/24", "fd00:4::2/64")?;
+        ip(&gw2, "route add 10.9.0.0/24 via 10.8.0.2")?;
+        ip(&gw2, "-6 route add fd00:9::/64 via fd00:8::2")?;
+        for (ns, address) in [(&self.client, "10.8.0.1"), (&gw2, "10.4.0.1")] {
+            ping(ns, address)?;
+        }
+        self.gw2 = Some(gw2);
+        Ok(())
+    }
+
+    /// The first gateway fails: the client's routes to the VIPs and the servers' routes to
+    /// the client move to the second gateway (as ECMP would once the first is gone), and the
+    /// first one's links go down.
+    pub fn fail_over(&self) -> Result<()> {
+        ensure!(self.gw2.is_some(), "no second gateway to fail over to");
+        // From the client's address all the same: the servers route only that back.
+        ip(
+            &self.client,
+            &format!("route replace {VIP4}/32 via 10.8.0.1 src 10.9.0.2"),
+        )?;
+        ip(
+            &self.client,
+            &format!("-6 route replace {VIP6}/128 via fd00:8::1 src fd00:9::2"),
+        )?;
+        for backend in &self.backends {
+            ip(backend, "route replace 10.9.0.0/24 via 10.4.0.2")?;
+            ip(backend, "-6 route replace fd00:9::/64 via fd00:4::2")?;
+        }
+        for dev in GATEWAY_INTERFACES {
+            ip(&self.gw, &format!("link set {dev} down"))?;
+        }
+        Ok(())
+    }
+
+    /// Attaches a pass program to the gateways' peers (`c0` in client, `s0` in sw; `c1` and
+    /// `s1` with a second gateway), without which veth drops what the balancer sends them
+    /// with XDP_TX or XDP_REDIRECT.
     pub fn attach_xdp_pass(&mut self, xdp_pass: &Path) -> Result<()> {
-        for (ns, dev) in [(&mut self.client, "c0"), (&mut self.sw, "s0")] {
+        let mut peers = vec![(true, "c0"), (false, "s0")];
+        if self.gw2.is_some() {
+            peers.extend([(true, "c1"), (false, "s1")]);
+        }
+        for (on_client, dev) in peers {
+            let ns = if on_client {
+                &mut self.client
+            } else {
+                &mut self.sw
+            };
             let mut cmd = ns.command(xdp_pass);
             cmd.arg(dev);
             let log = self.dir.path().join(format!("{dev}-xdp-pass.log"));
@@ -240,6 +329,13 @@ impl Topology {
 
     pub fn gw(&self) -> &Netns {
         &self.gw
+    }
+
+    /// The second gateway ([`Topology::add_second_gateway`]).
+    pub fn gw2(&self) -> Result<&Netns> {
+        self.gw2
+            .as_ref()
+            .context("the topology has no second gateway")
     }
 
     pub fn backend(&self, index: usize) -> &Netns {

@@ -1,0 +1,252 @@
+//! Two gateways that share their flows (`[sync]`), end to end over namespaces with four
+//! simulators: streams open through the first gateway; the operator drains, on both, every
+//! server that carries one; then the first gateway fails (its links go down, its agent is
+//! killed) and the client's and servers' routes move to the second, as ECMP would.
+//!
+//! The second gateway never saw those SYNs, and its Maglev table holds none of the drained
+//! servers: without the shared flows, every stream's next packet would go to another server
+//! (which answers with a reset) and its server's replies would not be translated back. With
+//! them, every stream must end with all its tokens and `[DONE]` and receive tokens after the
+//! failover, while new connections through the second gateway avoid the drained servers. A
+//! datagram from an address that is not a peer changes nothing and is counted.
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::Path;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
+use balancer_tests::backends::SimBackends;
+use balancer_tests::sim::client::{self, Item, Stream};
+use balancer_tests::topology::{
+    backend_name, Family, Topology, BACKENDS, GATEWAY_SERVER_SIDE, SECOND_GATEWAY_INTERFACES,
+};
+use balancer_tests::{check_nothing_remains, serial};
+use serde_json::json;
+
+const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
+const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
+
+const POOL: &str = "chat-v4";
+const STREAMS: usize = 6;
+/// About 9 s at the simulator's 65 tokens/s: the failover comes a few seconds in.
+const TOKENS: u64 = 600;
+/// Drained on both gateways before the streams open, so that they land on the other three
+/// and at least this one is left for new connections once those three are drained.
+const SPARE: usize = 3;
+const SYNC_PORT: u16 = 7471;
+const PROBES: usize = 12;
+
+#[test]
+fn streams_survive_a_gateway_failover() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let mut topology = Topology::build_bare().unwrap();
+    topology.add_second_gateway().unwrap();
+    topology.attach_xdp_pass(Path::new(XDP_PASS)).unwrap();
+    if let Err(e) = scenario(&topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+/// What a stream saw: its tokens' arrival times, and how it ended.
+struct Seen {
+    backend: String,
+    arrivals: Vec<Instant>,
+    finish_reason: Option<String>,
+    done: bool,
+}
+
+fn read_on(mut stream: Stream) -> JoinHandle<Result<Seen>> {
+    thread::spawn(move || {
+        let mut seen = Seen {
+            backend: stream.head.header("x-backend").unwrap_or("?").to_owned(),
+            arrivals: Vec::new(),
+            finish_reason: None,
+            done: false,
+        };
+        while let Some(item) = stream.next_item()? {
+            match item {
+                Item::Chunk { data, .. } => match data["choices"][0]["finish_reason"].as_str() {
+                    None => seen.arrivals.push(Instant::now()),
+                    Some(reason) => seen.finish_reason = Some(reason.to_owned()),
+                },
+                Item::Done { .. } => seen.done = true,
+            }
+        }
+        Ok(seen)
+    })
+}
+
+fn counter(agent: &Agent, name: &str) -> Result<u64> {
+    let text = agent.cli(&["counters", "--json"])?;
+    let counters: Vec<(String, u64)> = serde_json::from_str(&text)?;
+    counters
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .with_context(|| format!("no counter {name} in {text}"))
+}
+
+fn wait_counter(agent: &Agent, name: &str, at_least: u64) -> Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let v = counter(agent, name)?;
+        if v >= at_least {
+            return Ok(v);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{name} is {v}, not {at_least} yet"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `PROBES` short completions through the VIP on new connections: all must succeed, none
+/// on a server in `avoid`.
+fn probe(topology: &Topology, what: &str, avoid: &BTreeSet<String>) -> Result<()> {
+    let backends = topology.client().enter(|| {
+        let mut backends = Vec::new();
+        for k in 0..PROBES {
+            let body = json!({"prompt": format!("probe {k} {what}"), "max_tokens": 2});
+            let reply = client::post(Family::V4.vip(), "/v1/completions", &body)
+                .with_context(|| format!("probe {k} {what}"))?;
+            ensure!(
+                reply.status() == 200,
+                "probe {k} {what}: {}",
+                reply.status()
+            );
+            backends.push(reply.head.header("x-backend").unwrap_or("?").to_owned());
+        }
+        Ok(backends)
+    })?;
+    ensure!(
+        backends.iter().all(|b| !avoid.contains(b)),
+        "{what}: a new connection reached a drained server: {backends:?}"
+    );
+    Ok(())
+}
+
+fn drain(agents: &[&Agent], index: usize, on: bool) -> Result<()> {
+    let server = Family::V4.backend(index).to_string();
+    for agent in agents {
+        agent.cli(&[if on { "drain" } else { "undrain" }, POOL, &server])?;
+    }
+    Ok(())
+}
+
+fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
+    let args: Vec<Vec<String>> = (0..BACKENDS).map(|_| Vec::new()).collect();
+    let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
+    let key_file = topology.dir().join("sync.key");
+    std::fs::write(&key_file, "a key both gateways share, 48 bytes of it, ok\n")?;
+    let side = GATEWAY_SERVER_SIDE.map(|a| SocketAddr::new(a.into(), SYNC_PORT));
+
+    let mut first_config = AgentConfig::gateway(topology, [100; BACKENDS]);
+    first_config.pools.retain(|p| p.name == POOL);
+    first_config.agent.scrape_interval_ms = Some(500);
+    first_config.sync = Some(SyncSection {
+        listen: side[0],
+        peers: vec![side[1]],
+        key_file: key_file.clone(),
+    });
+    let mut second_config = first_config.clone();
+    second_config.agent.interfaces = SECOND_GATEWAY_INTERFACES.map(String::from).to_vec();
+    second_config.agent.control_socket = topology.dir().join("agent2.sock");
+    second_config.sync = Some(SyncSection {
+        listen: side[1],
+        peers: vec![side[0]],
+        key_file,
+    });
+    let first = Agent::start(topology, binary, &first_config)?;
+    let second = Agent::start_in(topology, topology.gw2()?, "agent2", binary, &second_config)?;
+    let both = [&first, &second];
+
+    drain(&both, SPARE, true)?;
+    let mut readers = Vec::new();
+    let mut carrying = BTreeSet::new();
+    for k in 0..STREAMS {
+        let body = json!({
+            "prompt": format!("stream {k} across a gateway failover"),
+            "max_tokens": TOKENS, "stream": true, "ignore_eos": true,
+        });
+        let stream = topology
+            .client()
+            .enter(|| Stream::open(Family::V4.vip(), "/v1/completions", &body))?;
+        stream.set_timeout(Duration::from_secs(10))?;
+        carrying.insert(stream.head.header("x-backend").unwrap_or("?").to_owned());
+        readers.push(read_on(stream));
+    }
+    ensure!(
+        !carrying.contains(&backend_name(SPARE)),
+        "a stream reached the drained {}",
+        backend_name(SPARE)
+    );
+    // The operator drains the streams' servers everywhere: their streams must finish there.
+    drain(&both, SPARE, false)?;
+    for i in 0..BACKENDS {
+        if carrying.contains(&backend_name(i)) {
+            drain(&both, i, true)?;
+        }
+    }
+    let sent = wait_counter(&first, "sync_sent", STREAMS as u64)?;
+    let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
+    println!("streams on {carrying:?}; the first gateway sent {sent} events, the second applied {applied}");
+
+    // A datagram from a server's address, not a peer's: refused, nothing else changes.
+    let refused = counter(&second, "sync_refused")?;
+    topology.backend(0).enter(|| {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.send_to(b"not a batch of flows", side[1])?;
+        Ok(())
+    })?;
+    wait_counter(&second, "sync_refused", refused + 1)?;
+
+    // Well into the streams.
+    thread::sleep(Duration::from_secs(1));
+    topology.fail_over()?;
+    let failed = Instant::now();
+    first.kill()?;
+    probe(topology, "through the second gateway", &carrying)?;
+
+    for (k, reader) in readers.into_iter().enumerate() {
+        let seen = reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("stream {k}: reader panicked"))?
+            .with_context(|| format!("stream {k}"))?;
+        let after = seen.arrivals.iter().filter(|t| **t > failed).count();
+        println!(
+            "stream {k} on {}: {} tokens, {} before the failover and {after} after, {:?}",
+            seen.backend,
+            seen.arrivals.len(),
+            seen.arrivals.len() - after,
+            seen.finish_reason
+        );
+        ensure!(
+            seen.arrivals.len() as u64 == TOKENS
+                && seen.finish_reason.as_deref() == Some("length")
+                && seen.done,
+            "stream {k} on {} broke: {} tokens, {:?}, [DONE] {}",
+            seen.backend,
+            seen.arrivals.len(),
+            seen.finish_reason,
+            seen.done
+        );
+        ensure!(
+            after > 0,
+            "stream {k} had ended before the failover: it proves nothing"
+        );
+    }
+    let unknown = counter(&second, "sync_unknown")?;
+    ensure!(
+        unknown == 0,
+        "the second gateway did not know {unknown} flows"
+    );
+    second.stop()?;
+    Ok(())
+}
