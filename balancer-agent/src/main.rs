@@ -177,7 +177,20 @@ fn execute(command: Command) -> Result<()> {
         }
         Command::Check { config } => {
             let c = Config::load(&config)?;
+            if let Some(s) = &c.sync {
+                // What `run` would fail on, without starting.
+                balancer_agent::sync::Key::load(&s.key_file)?;
+            }
             println!("{}: ok", config.display());
+            if let Some(s) = &c.sync {
+                let peers: Vec<String> = s.peers.iter().map(ToString::to_string).collect();
+                println!(
+                    "sync: flows shared from {} with {}, key in {}",
+                    s.listen,
+                    peers.join(", "),
+                    s.key_file.display()
+                );
+            }
             for p in &c.pool {
                 println!(
                     "pool {} {}:{} ({} servers)",

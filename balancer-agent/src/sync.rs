@@ -14,6 +14,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
+    os::unix::fs::PermissionsExt,
     path::Path,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -127,6 +128,15 @@ impl Key {
     pub fn load(path: &Path) -> Result<Key> {
         let text = std::fs::read(path)
             .with_context(|| format!("sync.key_file: reading {}", path.display()))?;
+        let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode());
+        if mode & 0o044 != 0 {
+            warn!(
+                "sync.key_file {} is readable by others (mode {:o}): whoever reads it can \
+                 steer the gateways' flows",
+                path.display(),
+                mode & 0o777
+            );
+        }
         Key::new(text.trim_ascii()).with_context(|| format!("sync.key_file {}", path.display()))
     }
 

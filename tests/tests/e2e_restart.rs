@@ -10,8 +10,9 @@
 //!    which leaves everything attached;
 //! 3. an agent whose configuration does not fit the pinned flow table refuses to start with
 //!    a clear error, changing nothing;
-//! 4. a third agent takes over again; its counters go on from the first agent's, and a
-//!    second agent on the same pins is refused.
+//! 4. a third agent takes over again, from pins that lack the ring of shared flows (as an
+//!    older build's would); its counters go on from the first agent's, and a second agent
+//!    on the same pins is refused.
 //!
 //! Every stream must end with all its tokens and `[DONE]`, and receive tokens while no
 //! agent runs; no new connection may reach the DOWN or the drained server. Last, an agent
@@ -254,8 +255,13 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     );
     probe(topology, "after the refused start")?;
 
-    // 4. Takeover again; the counters go on. No second agent may share the pins.
+    // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
+    // of shared flows is unpinned first, as a build that had none would have left them:
+    // a ring holds no state, so the upgrade goes on and pins a new one.
+    let ring = pins.join(format!("maps-v{}/FLOW_EVENTS", balancer_common::PIN_LAYOUT));
+    std::fs::remove_file(&ring).with_context(|| format!("unpinning {}", ring.display()))?;
     let third = Agent::start(topology, binary, &config)?;
+    ensure!(ring.exists(), "the third agent did not pin a new ring");
     probe(topology, "with the third agent")?;
     let mut rival = config.clone();
     rival.agent.control_socket = topology.dir().join("rival.sock");
