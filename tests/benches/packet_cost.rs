@@ -62,6 +62,8 @@ struct Net {
     vip: IpAddr,
     backend: IpAddr,
     other: IpAddr,
+    /// A VIP of the same backend whose flows are shared with other gateways (`[sync]`).
+    vip_shared: IpAddr,
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -172,25 +174,35 @@ fn measure(plan: &Plan) -> Result<Measured> {
             vip: ip("192.0.2.60"),
             backend: ip("10.4.0.11"),
             other: ip("10.4.0.99"),
+            vip_shared: ip("192.0.2.61"),
         },
         Net {
             client: ip("fd00:9::2"),
             vip: ip("2001:db8::60"),
             backend: ip("fd00:4::11"),
             other: ip("fd00:4::99"),
+            vip_shared: ip("2001:db8::61"),
         },
     ];
     let mut text =
         String::from("[agent]\ninterfaces = [\"g0\", \"g1\"]\nflow_table_entries = 4194304\n");
     for (i, n) in nets.iter().enumerate() {
-        text += &format!(
-            "[[pool]]\nname = \"p{i}\"\nvip = \"{}\"\nport = 8000\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
-            n.vip, n.backend
-        );
+        for (name, vip) in [("p", n.vip), ("shared", n.vip_shared)] {
+            text += &format!(
+                "[[pool]]\nname = \"{name}{i}\"\nvip = \"{vip}\"\nport = 8000\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+                n.backend
+            );
+        }
     }
     let config = Config::parse(std::path::Path::new("bench.toml"), &text)?;
     let mut dp = Dataplane::load(config.agent.flow_table_entries, None)?;
-    let plan_maps = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
+    let mut plan_maps =
+        Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
+    // `[sync]` shares every VIP's flows; here only the `shared` pools', so that their SYNs
+    // and the others run side by side.
+    for vip in &mut plan_maps.vips {
+        vip.shared = vip.pool.starts_with("shared");
+    }
     dp.apply(&plan_maps)?;
     // Every bucket's home is the one backend, with room to spare: hinted SYNs take the
     // whole hint path (bucket lookup, budget check, bucket statistics).
@@ -208,6 +220,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         dp.set_budget(home, i32::MAX)?;
     }
     let (g0, g1) = (ifindex("g0")?, ifindex("g1")?);
+    let mut ring = dp.take_flow_events().context("the ring of shared flows")?;
 
     // A million other flows, so lookups walk a full table.
     let started = Instant::now();
@@ -268,7 +281,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             )),
             IpAddr::V6(_) => ip(&format!("fd00:{}::{:x}", 20 + salt, i)),
         };
-        let mut sums = [0.0f64; 9];
+        let mut sums = [0.0f64; 10];
         let hint = HintRange::DEFAULT;
         let flow = |i: u32| (client(i, 0), 40000 + (i % 20000) as u16);
         // In chunks of flows, each packet kind in a pass over the chunk: a flow's entry has
@@ -288,6 +301,10 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const WARM_FORWARD: usize = 7;
         // The packet right after ESTABLISHED, as in a burst of segments: its entry is cached.
         const BURST: usize = 8;
+        // A SYN to the shared VIP: reported in `FLOW_EVENTS` as well, which is drained after
+        // every chunk, as the agent's sender would, so that it never fills (a full ring
+        // would spare the copy).
+        const SHARED_SYN: usize = 9;
         let ours: &Xdp = dp.program();
         let floor_prog: &Xdp = pass;
         let packet = |figure: usize, i: u32| {
@@ -296,6 +313,12 @@ fn measure(plan: &Plan) -> Result<Measured> {
                 FLOOR => (floor_prog, g0, frame(c, n.vip, sport, 8000, true), XDP_PASS),
                 NOT_OURS => (ours, g0, frame(c, n.other, sport, 80, false), XDP_PASS),
                 SYN => (ours, g0, frame(c, n.vip, sport, 8000, true), XDP_REDIRECT),
+                SHARED_SYN => (
+                    ours,
+                    g0,
+                    frame(c, n.vip_shared, sport, 8000, true),
+                    XDP_REDIRECT,
+                ),
                 ESTABLISHED | WARM_FORWARD | BURST => {
                     (ours, g0, frame(c, n.vip, sport, 8000, false), XDP_REDIRECT)
                 }
@@ -315,7 +338,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         };
         // Over a chunk of flows, pass after pass: the flows' first packets, then each way.
         let passes: [&[usize]; 4] = [
-            &[FLOOR, NOT_OURS, SYN, HINTED],
+            &[FLOOR, NOT_OURS, SYN, HINTED, SHARED_SYN],
             &[FIRST_REPLY, WARM_FORWARD],
             &[ESTABLISHED, BURST],
             &[REPLY],
@@ -332,9 +355,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
                     }
                 }
             }
+            let mut reported = 0;
+            while ring.next().is_some() {
+                reported += 1;
+            }
+            ensure!(
+                reported == flows.len(),
+                "{fam}: {reported} shared flows reported for {} SYNs",
+                flows.len()
+            );
             start = flows.end;
         }
-        let [floor, not_ours, maglev, established, reply, hinted, first_reply, _, burst] =
+        let [floor, not_ours, maglev, established, reply, hinted, first_reply, _, burst, shared_syn] =
             sums.map(|s| s / k);
         let goal = |ratio: f64, max: f64| {
             format!("<= {max}x: {}", if ratio <= max { "met" } else { "MISSED" })
@@ -372,6 +404,12 @@ fn measure(plan: &Plan) -> Result<Measured> {
             "new hinted SYN",
             hinted,
             goal(hinted / floor, 6.0),
+        );
+        row(
+            "shared_syn",
+            "new SYN through Maglev, flow shared (`[sync]`)",
+            shared_syn,
+            String::new(),
         );
         row(
             "established",
