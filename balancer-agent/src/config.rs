@@ -50,6 +50,9 @@ pub struct FlowSync {
 
 /// More peers than this is a configuration mistake: every flow is sent to each.
 pub const MAX_SYNC_PEERS: usize = 32;
+/// With `[sync]`, the shortest idle timeout: keepalives go out every third of it, at most a
+/// second late, so that a peer's entry outlives one lost keepalive.
+pub const MIN_SYNC_IDLE_TIMEOUT_S: u32 = 10;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -263,6 +266,13 @@ fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
     if sync.listen.port() == 0 {
         return Err(("sync.listen".into(), "needs a port".into()));
     }
+    // Datagrams leave from it, and peers check where they come from.
+    if sync.listen.ip().is_unspecified() {
+        return Err((
+            "sync.listen".into(),
+            "needs this gateway's own address, not a wildcard: peers recognise it by it".into(),
+        ));
+    }
     if sync.peers.is_empty() || sync.peers.len() > MAX_SYNC_PEERS {
         return Err((
             "sync.peers".into(),
@@ -446,6 +456,15 @@ impl Config {
             }
             if p.idle_timeout_s == 0 || p.idle_timeout_s > 7 * 24 * 3600 {
                 return Err((at("idle_timeout_s"), "must be 1 s to 7 days".into()));
+            }
+            if self.sync.is_some() && p.idle_timeout_s < MIN_SYNC_IDLE_TIMEOUT_S {
+                return Err((
+                    at("idle_timeout_s"),
+                    format!(
+                        "must be at least {MIN_SYNC_IDLE_TIMEOUT_S} s with [sync]: peers' \
+                         entries live on keepalives sent every third of it"
+                    ),
+                ));
             }
             if !(1..=100_000).contains(&p.spill_waiting) {
                 return Err((at("spill_waiting"), "must be 1-100000".into()));
@@ -739,6 +758,12 @@ metrics_port = 8001
                 "cannot be a peer",
             ),
             ("10.0.0.1:7471", "10.0.0.1:0", "needs a port"),
+            ("10.0.0.1:7471", "0.0.0.0:7471", "not a wildcard"),
+            (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 8000\nidle_timeout_s = 5\n\n[[pool.server]]",
+                "at least 10 s with [sync]",
+            ),
             ("10.0.0.1:7471", "10.0.0.1", "invalid socket address"),
             (
                 "key_file = \"/etc/balancer/sync.key\"",

@@ -24,7 +24,7 @@ use crate::{
     health::{Outcome, Track, Transition},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
-    sync::{self, Kind},
+    sync,
 };
 
 /// A server is identified by its pool and its API address.
@@ -910,8 +910,8 @@ impl Controller {
                 _pad: [0; 2],
             };
             let target = (id, backend, e.backend.port().to_be());
-            match self.dp.adopt_flow(&key, target, idle, e.kind == Kind::Open) {
-                Ok(()) => applied += 1,
+            match self.dp.adopt_flow(&key, target, idle, e.kind) {
+                Ok(_) => applied += 1,
                 Err(err) => warn!("{err:#}"),
             }
         }

@@ -26,7 +26,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{objects, pins::Pins, plan::Plan};
+use crate::{objects, pins::Pins, plan::Plan, sync::Kind};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -134,6 +134,10 @@ pub struct Dataplane {
     bucket_stats: MappedSlots,
     /// The program's reports of shared flows, until the sync sender takes it.
     flow_events: Option<RingBuf<MapData>>,
+    /// Per backend id: connections this gateway opened whose close a peer reported (or that
+    /// a peer's new connection on the tuple replaced), which the program never counted.
+    /// Agent memory: a takeover starts it afresh.
+    closed_elsewhere: HashMap<u32, u64>,
     /// What each VIP id's entry holds now, and under which key.
     installed: HashMap<u32, (VipKey, VipInfo)>,
     /// What `REPLIES` holds now.
@@ -216,6 +220,7 @@ impl Dataplane {
             closes,
             bucket_stats,
             flow_events,
+            closed_elsewhere: HashMap::new(),
             installed: HashMap::new(),
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
@@ -542,14 +547,19 @@ impl Dataplane {
     /// One backend's counters, summed over CPUs.
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats> {
         let values = self.backend_stats.get(&id, 0)?;
-        Ok(values
+        let elsewhere = self.closed_elsewhere.get(&id).copied().unwrap_or(0);
+        let sum = values
             .iter()
             .fold(BackendStats::default(), |a, v| BackendStats {
                 flows_opened: a.flows_opened + v.flows_opened,
                 flows_closed: a.flows_closed + v.flows_closed,
                 packets: a.packets + v.packets,
                 bytes: a.bytes + v.bytes,
-            }))
+            });
+        Ok(BackendStats {
+            flows_closed: sum.flows_closed + elsewhere,
+            ..sum
+        })
     }
 
     /// The flow table itself, for tools that inspect it and for benchmarks that fill it.
@@ -612,56 +622,111 @@ impl Dataplane {
         self.flow_events.take()
     }
 
-    /// Writes what another gateway reported of one of its flows (`sync.rs`). Opened: the
-    /// entry names backend `id` at `addr:port` (network order) and lives as one of this
-    /// gateway's own would, so that the connection keeps its server when its packets come
-    /// here; an entry already naming that backend only has its time refreshed. Closed: an
-    /// entry naming that backend is marked closed, so that a SYN reusing the tuple is
-    /// balanced anew. Such a flow's close is never counted here (`close_claim` is taken),
-    /// since its open was not: each gateway's counts are of the flows it opened.
+    /// Writes what another gateway reported of one of its flows (`sync.rs`) for the
+    /// backend `id` at `addr:port` (network order):
+    ///
+    /// - **Open** (placed by its SYN): the entry names that backend from now on, whatever
+    ///   this gateway had for the tuple (a new connection reusing it).
+    /// - **Alive** (a keepalive, or a flow placed without its SYN, a guess): an entry is
+    ///   written only where this gateway has none for the tuple or only an expired one; one
+    ///   naming that backend has its time refreshed if this gateway has not seen its packets
+    ///   lately; a live entry naming another backend, or a closed one, stays as it is.
+    /// - **Close**: a live entry naming that backend is marked closed, so that a SYN reusing
+    ///   the tuple is balanced anew.
+    ///
+    /// An entry written here has its `close_claim` taken: a gateway counts the connections
+    /// it opened, and their closes, only once. When a peer reports the close of one this
+    /// gateway opened, or an open replaces one, its close is counted here by the agent.
+    /// Returns whether anything was written.
     pub fn adopt_flow(
         &mut self,
         key: &FlowKey,
         (id, addr, port): (u32, [u32; 4], u16),
         idle_timeout_s: u32,
-        open: bool,
-    ) -> Result<()> {
+        kind: Kind,
+    ) -> Result<bool> {
         let now = monotonic_ns();
         let synced = ((now >> 30) as u32).max(1);
-        let same = self
-            .flows
-            .get(key, 0)
-            .ok()
-            .filter(|e| e.backend_id == id && e.nat_addr == addr && e.nat_port == port);
-        let entry = match (open, same) {
-            (true, Some(e)) => FlowEntry {
-                closed: 0,
-                last_seen_ns: now,
-                synced,
-                ..e
+        let current = self.flows.get(key, 0).ok();
+        let same =
+            current.filter(|e| e.backend_id == id && e.nat_addr == addr && e.nat_port == port);
+        let live = current.filter(|e| {
+            let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
+            e.closed == 0 && now.saturating_sub(e.last_seen_ns) <= idle
+        });
+        let adopted = FlowEntry {
+            nat_addr: addr,
+            nat_port: port,
+            closed: 0,
+            acked: 1,
+            backend_id: id,
+            idle_timeout_s,
+            synced,
+            last_seen_ns: now,
+            to_backend: NextHop::default(),
+            to_client: NextHop::default(),
+            close_claim: 1,
+        };
+        // The program writes entries in place while this read-modify-write runs: an entry
+        // whose packets come here is left alone (it is fresh), so that neither side's write
+        // is lost. Its own packets refresh it more often than any report would.
+        let quiet = |e: &FlowEntry| now.saturating_sub(e.last_seen_ns) > 2_000_000_000;
+        let entry = match kind {
+            Kind::Open => match same {
+                Some(e) if e.closed == 0 && !quiet(&e) => return Ok(false),
+                Some(e) if e.closed == 0 => FlowEntry {
+                    last_seen_ns: now,
+                    synced,
+                    ..e
+                },
+                _ => {
+                    if let Some(e) = live.filter(|e| e.close_claim == 0) {
+                        // Replaced while open: the connection it counted here is gone.
+                        self.count_close(e.backend_id);
+                    }
+                    adopted
+                }
             },
-            (true, None) => FlowEntry {
-                nat_addr: addr,
-                nat_port: port,
-                closed: 0,
-                acked: 1,
-                backend_id: id,
-                idle_timeout_s,
-                synced,
-                last_seen_ns: now,
-                to_backend: NextHop::default(),
-                to_client: NextHop::default(),
-                close_claim: 1,
+            Kind::Alive => match (same, live) {
+                (Some(e), Some(_)) if quiet(&e) => FlowEntry {
+                    last_seen_ns: now,
+                    synced,
+                    ..e
+                },
+                (_, Some(_)) => return Ok(false),
+                // Closed here, and reported alive by a peer that has not seen the close yet.
+                (Some(e), None) if e.closed != 0 => return Ok(false),
+                _ => adopted,
             },
-            (false, Some(e)) => FlowEntry { closed: 1, ..e },
-            // Closed elsewhere, and not known here (or known with another server): nothing
-            // to mark.
-            (false, None) => return Ok(()),
+            Kind::Close => match same.filter(|e| e.closed == 0) {
+                Some(e) => {
+                    if e.close_claim == 0 {
+                        self.count_close(id);
+                    }
+                    FlowEntry {
+                        closed: 1,
+                        close_claim: 1,
+                        ..e
+                    }
+                }
+                // Closed here already, unknown, or known with another backend.
+                None => return Ok(false),
+            },
         };
         self.flows
             .insert(key, entry, 0)
             .context("writing a shared flow")?;
-        Ok(())
+        Ok(true)
+    }
+
+    /// Counts the close of a connection to `id` that this gateway opened and will not see
+    /// close: where the program would have (`CLOSES`, for the spill room), and in the
+    /// agent's own count, added to the program's in [`Dataplane::backend_stats`].
+    fn count_close(&mut self, id: u32) {
+        if let Some(c) = self.closes.shared().get(id as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        *self.closed_elsewhere.entry(id).or_default() += 1;
     }
 
     /// Connections still open on each of `ids`: entries with no FIN or RST seen and not idle

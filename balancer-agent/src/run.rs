@@ -60,8 +60,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let sharing = match &config.sync {
         Some(s) => {
             let key = sync::Key::load(&s.key_file)?;
-            let socket = UdpSocket::bind(s.listen)
-                .await
+            let socket = bind_sync_socket(s.listen)
                 .with_context(|| format!("sync.listen: binding {}", s.listen))?;
             Some((Arc::new(socket), key, s.peers.clone()))
         }
@@ -111,17 +110,26 @@ pub async fn run(config_path: &Path) -> Result<()> {
             c.share_stats(stats.clone());
             c.dataplane().take_flow_events()
         };
+        let id = sync::sender_id();
         if let Some(ring) = ring {
-            let to = (socket.clone(), peers.clone(), key.clone(), stats.clone());
-            tasks.push(tokio::spawn(sync::send_loop(ring, to.0, to.1, to.2, to.3)));
+            let sender = sync::Sender {
+                id,
+                socket: socket.clone(),
+                peers: peers.clone(),
+                key: key.clone(),
+                stats: stats.clone(),
+            };
+            tasks.push(tokio::spawn(sync::send_loop(ring, sender)));
         }
-        let from = peers.iter().map(|p| p.ip()).collect();
+        let from = peers.iter().map(|p| p.ip().to_canonical()).collect();
         let c = ctl.clone();
         let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
         tasks.push(tokio::spawn(sync::receive_loop(
-            socket, from, key, stats, apply,
+            socket, from, key, id, stats, apply,
         )));
         info!(peers = ?peers, "sharing flows with the other gateways");
+    } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
+        tasks.push(tokio::spawn(sync::discard_loop(ring)));
     }
     loop {
         tokio::select! {
@@ -267,6 +275,18 @@ async fn health_loop(ctl: Shared) {
         }
         tokio::time::sleep_until(next).await;
     }
+}
+
+/// The socket peers' flows arrive on and ours leave from. Its receive buffer holds a burst
+/// of a peer's datagrams (a few hundred after a busy 10 ms) while the agent is busy.
+fn bind_sync_socket(listen: std::net::SocketAddr) -> Result<UdpSocket> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(listen), Type::DGRAM, None)?;
+    // The kernel caps it at net.core.rmem_max; what it grants is enough either way.
+    socket.set_recv_buffer_size(4 << 20).ok();
+    socket.bind(&listen.into())?;
+    socket.set_nonblocking(true)?;
+    Ok(UdpSocket::from_std(socket.into())?)
 }
 
 /// Binds the control socket, readable and writable by its owner only.

@@ -9,8 +9,9 @@
 //! On the wire: one UDP datagram per batch of at most [`MAX_EVENTS`] events, a version byte,
 //! the batch in postcard, and an HMAC-SHA256 of both under the key all gateways share.
 //! Servers and VIPs are named by address, since each agent numbers its backends itself. A
-//! datagram from an address that is not a peer, with a wrong tag, or sent more than
-//! [`MAX_AGE`] ago (a replay) changes nothing and is counted.
+//! batch names its sender (a random id per agent run) and its sequence number: a datagram
+//! from an address that is not a peer, with a wrong tag, sent more than [`MAX_AGE`] ago, seen
+//! before (a replay), or this agent's own (a reflection) changes nothing and is counted.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -25,7 +26,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapData, RingBuf};
-use balancer_common::{words_addr, FlowEvent, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN};
+use balancer_common::{words_addr, FlowEvent, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN};
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
@@ -36,9 +37,15 @@ use tracing::{debug, warn};
 pub const VERSION: u8 = 1;
 /// Events per datagram: 16 IPv6 events take about 900 bytes, under any path's MTU.
 pub const MAX_EVENTS: usize = 16;
-/// A datagram stamped longer ago than this, or further ahead, is refused: replaying one
-/// cannot bring a closed flow back. The gateways' clocks must agree within it (NTP).
+/// A datagram stamped longer ago than this, or further ahead, is refused; within it, the
+/// sequence numbers refuse replays. The gateways' clocks must agree within it (NTP).
 pub const MAX_AGE: Duration = Duration::from_secs(30);
+/// Reports the ring kept longer than this (about 10 s; no agent drained it meanwhile) are
+/// dropped rather than sent as news: a flow that lives on is reported again by its
+/// keepalive, while an old open could override a newer connection on the same tuple.
+pub const MAX_BACKLOG_EPOCHS: u32 = 10;
+/// Out-of-order datagrams of one sender accepted behind the newest one.
+const REPLAY_WINDOW: u64 = 64;
 /// The shortest key accepted: 32 bytes, the HMAC-SHA256 block's strength.
 pub const MIN_KEY_BYTES: usize = 32;
 /// How often the agent drains the program's ring: the longest a new flow waits before its
@@ -49,10 +56,13 @@ const TAG_BYTES: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Kind {
-    /// A new flow, or a live one reported again.
+    /// A new flow, placed by its SYN: it replaces what the receiver had for the tuple.
     Open,
     /// Its first FIN or RST.
     Close,
+    /// A live flow reported again, or one placed without its SYN: it fills a place where
+    /// the receiver has no live entry, and never overrides one.
+    Alive,
 }
 
 /// One flow as gateways tell each other: the client's end, the VIP it connected to, and the
@@ -66,8 +76,8 @@ pub struct Event {
 }
 
 impl Event {
-    /// The event the program wrote, if it is well formed.
-    pub fn from_ring(bytes: &[u8]) -> Option<Event> {
+    /// The event the program wrote, if it is well formed, and when (`FlowEvent::epoch`).
+    pub fn from_ring(bytes: &[u8]) -> Option<(Event, u32)> {
         if bytes.len() < std::mem::size_of::<FlowEvent>() {
             return None;
         }
@@ -77,6 +87,7 @@ impl Event {
         let kind = match e.kind {
             FLOW_EVENT_OPEN => Kind::Open,
             FLOW_EVENT_CLOSE => Kind::Close,
+            FLOW_EVENT_ALIVE => Kind::Alive,
             _ => return None,
         };
         let family = e.key.family;
@@ -86,20 +97,25 @@ impl Event {
                 u16::from_be(port),
             ))
         };
-        Some(Event {
+        let event = Event {
             kind,
             client: end(e.key.src, e.key.sport)?,
             vip: end(e.key.dst, e.key.dport)?,
             backend: end(e.nat_addr, e.nat_port)?,
-        })
+        };
+        Some((event, e.epoch))
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct Batch {
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The sending agent, a random number drawn when it starts.
+    pub sender: u64,
+    /// Counts the sender's datagrams from 1.
+    pub seq: u64,
     /// Milliseconds since the Unix epoch, by the sender's clock.
-    sent_ms: u64,
-    events: Vec<Event>,
+    pub sent_ms: u64,
+    pub events: Vec<Event>,
 }
 
 /// The key every gateway of the VIPs shares.
@@ -160,25 +176,25 @@ pub enum Refused {
     TooMany(usize),
     #[error("stamped {0} ms away from this gateway's clock (replayed, or clocks apart)")]
     Stale(i128),
+    #[error("seen before (a replay)")]
+    Replayed,
+    #[error("this agent's own (reflected)")]
+    Reflected,
 }
 
-/// `events` as one datagram (at most [`MAX_EVENTS`] of them).
-pub fn seal(key: &Key, sent_ms: u64, events: &[Event]) -> Vec<u8> {
-    debug_assert!(events.len() <= MAX_EVENTS);
-    let batch = Batch {
-        sent_ms,
-        events: events.to_vec(),
-    };
+/// `batch` as one datagram (at most [`MAX_EVENTS`] events).
+pub fn seal(key: &Key, batch: &Batch) -> Vec<u8> {
+    debug_assert!(batch.events.len() <= MAX_EVENTS);
     let mut out =
-        postcard::to_extend(&batch, vec![VERSION]).expect("a batch always serializes into a Vec");
+        postcard::to_extend(batch, vec![VERSION]).expect("a batch always serializes into a Vec");
     let mut mac = key.mac();
     mac.update(&out);
     out.extend_from_slice(&mac.finalize().into_bytes());
     out
 }
 
-/// The events of a datagram, if it is authentic, well formed and recent at `now_ms`.
-pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Vec<Event>, Refused> {
+/// The batch of a datagram, if it is authentic, well formed and recent at `now_ms`.
+pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
     if datagram.len() < 1 + TAG_BYTES {
         return Err(Refused::Short);
     }
@@ -199,7 +215,65 @@ pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Vec<Event>, Refus
     if skew.unsigned_abs() > MAX_AGE.as_millis() {
         return Err(Refused::Stale(skew));
     }
-    Ok(batch.events)
+    Ok(batch)
+}
+
+/// The sequence numbers seen of each sender, to refuse replays within [`MAX_AGE`]: the
+/// newest, and which of the [`REPLAY_WINDOW`] before it arrived. A sender silent for twice
+/// [`MAX_AGE`] is forgotten: any datagram of its that could be replayed is too old by then.
+pub struct Replays {
+    own: u64,
+    senders: std::collections::HashMap<u64, (u64, u64, std::time::Instant)>,
+}
+
+impl Replays {
+    pub fn new(own: u64) -> Self {
+        Replays {
+            own,
+            senders: std::collections::HashMap::new(),
+        }
+    }
+
+    /// Whether `batch` is new: not this agent's own, not seen before.
+    pub fn check(&mut self, batch: &Batch, now: std::time::Instant) -> Result<(), Refused> {
+        if batch.sender == self.own {
+            return Err(Refused::Reflected);
+        }
+        self.senders
+            .retain(|_, (_, _, at)| now.duration_since(*at) < MAX_AGE * 2);
+        let (top, seen, at) = self.senders.entry(batch.sender).or_insert((0, 0, now));
+        let seq = batch.seq;
+        if seq > *top {
+            let shift = seq - *top;
+            *seen = if shift >= REPLAY_WINDOW {
+                0
+            } else {
+                *seen << shift
+            };
+            *seen |= 1;
+            *top = seq;
+        } else {
+            let back = *top - seq;
+            if back >= REPLAY_WINDOW || *seen & (1 << back) != 0 {
+                return Err(Refused::Replayed);
+            }
+            *seen |= 1 << back;
+        }
+        *at = now;
+        Ok(())
+    }
+}
+
+/// A random id for this agent's run, for [`Batch::sender`].
+pub fn sender_id() -> u64 {
+    let mut id = [0u8; 8];
+    // SAFETY: a buffer of exactly the length given.
+    let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };
+    if n != 8 {
+        // No entropy source: distinct enough between two gateways' agents.
+        return u64::from(std::process::id()) << 32 ^ unix_ms();
+    }
+    u64::from_ne_bytes(id)
 }
 
 pub fn unix_ms() -> u64 {
@@ -219,8 +293,10 @@ pub struct Stats {
     pub applied: AtomicU64,
     /// Events received for a VIP or server this agent does not have.
     pub unknown: AtomicU64,
-    /// Datagrams refused: not from a peer, bad tag, malformed, stale.
+    /// Datagrams refused: not from a peer, bad tag, malformed, stale, replayed.
     pub refused: AtomicU64,
+    /// Reports the ring had kept too long (no agent drained it), dropped unsent.
+    pub backlog: AtomicU64,
 }
 
 impl Stats {
@@ -231,6 +307,7 @@ impl Stats {
             ("sync_applied", &self.applied),
             ("sync_unknown", &self.unknown),
             ("sync_refused", &self.refused),
+            ("sync_backlog_dropped", &self.backlog),
         ]
         .into_iter()
         .map(|(name, v)| (name.to_owned(), v.load(Ordering::Relaxed)))
@@ -238,29 +315,52 @@ impl Stats {
     }
 }
 
+/// What a sending agent is: its id, and where its peers are.
+pub struct Sender {
+    pub id: u64,
+    pub socket: Arc<UdpSocket>,
+    pub peers: Vec<SocketAddr>,
+    pub key: Key,
+    pub stats: Arc<Stats>,
+}
+
 /// Drains the program's ring every [`DRAIN_INTERVAL`] and sends what it holds to every peer.
-pub async fn send_loop(
-    mut ring: RingBuf<MapData>,
-    socket: Arc<UdpSocket>,
-    peers: Vec<SocketAddr>,
-    key: Key,
-    stats: Arc<Stats>,
-) {
+pub async fn send_loop(mut ring: RingBuf<MapData>, sender: Sender) {
+    let Sender {
+        id,
+        socket,
+        peers,
+        key,
+        stats,
+    } = sender;
     let mut failing = false;
     let mut events = Vec::new();
+    let mut seq = 0;
     loop {
         tokio::time::sleep(DRAIN_INTERVAL).await;
+        let now = (crate::dataplane::monotonic_ns() >> 30) as u32;
         while let Some(item) = ring.next() {
-            if let Some(e) = Event::from_ring(&item) {
-                events.push(e);
+            match Event::from_ring(&item) {
+                Some((e, at)) if now.wrapping_sub(at) <= MAX_BACKLOG_EPOCHS => events.push(e),
+                Some(_) => {
+                    stats.backlog.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
             }
         }
-        for batch in events.chunks(MAX_EVENTS) {
-            let datagram = seal(&key, unix_ms(), batch);
+        for chunk in events.chunks(MAX_EVENTS) {
+            seq += 1;
+            let batch = Batch {
+                sender: id,
+                seq,
+                sent_ms: unix_ms(),
+                events: chunk.to_vec(),
+            };
+            let datagram = seal(&key, &batch);
             for peer in &peers {
                 match socket.send_to(&datagram, peer).await {
                     Ok(_) => {
-                        stats.sent.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                        stats.sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                         failing = false;
                     }
                     Err(e) => {
@@ -278,16 +378,30 @@ pub async fn send_loop(
     }
 }
 
+/// Without `[sync]`: flows shared under an earlier agent's configuration (pinned maps) go on
+/// reporting their keepalives and close until they end; this drops those reports, so that
+/// the ring does not fill and `sync_lost` counts only reports a sharing agent missed.
+pub async fn discard_loop(mut ring: RingBuf<MapData>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        while ring.next().is_some() {}
+    }
+}
+
 /// Receives peers' datagrams and hands their events to `apply`, which returns how many it
-/// wrote and how many named a VIP or server it does not have.
+/// wrote and how many named a VIP or server it does not have. `own` is this agent's sender
+/// id.
 pub async fn receive_loop(
     socket: Arc<UdpSocket>,
     peers: Vec<IpAddr>,
     key: Key,
+    own: u64,
     stats: Arc<Stats>,
     apply: impl Fn(&[Event]) -> (u64, u64),
 ) {
     let mut buf = vec![0u8; 65536];
+    let mut replays = Replays::new(own);
+    let mut last_refused = None;
     loop {
         let (len, from) = match socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -297,20 +411,31 @@ pub async fn receive_loop(
                 continue;
             }
         };
-        if !peers.contains(&from.ip()) {
+        // A dual-stack socket names an IPv4 peer as ::ffff:a.b.c.d.
+        if !peers.contains(&from.ip().to_canonical()) {
             stats.refused.fetch_add(1, Ordering::Relaxed);
             debug!(%from, "refused a datagram: not from a peer");
             continue;
         }
-        match open(&key, &buf[..len], unix_ms()) {
-            Ok(events) => {
-                let (applied, unknown) = apply(&events);
+        let opened = open(&key, &buf[..len], unix_ms()).and_then(|batch| {
+            replays
+                .check(&batch, std::time::Instant::now())
+                .map(|()| batch)
+        });
+        match opened {
+            Ok(batch) => {
+                let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
             }
             Err(why) => {
-                stats.refused.fetch_add(1, Ordering::Relaxed);
-                debug!(%from, "refused a datagram: {why}");
+                // Once per run of refusals from a peer, then quietly counted: a peer with
+                // another key or a clock far off says so without flooding the log.
+                if stats.refused.fetch_add(1, Ordering::Relaxed) == 0 || last_refused != Some(from)
+                {
+                    warn!(%from, "refused a datagram from a peer: {why}");
+                }
+                last_refused = Some(from);
             }
         }
     }
@@ -320,27 +445,34 @@ pub async fn receive_loop(
 mod tests {
     use super::*;
     use balancer_common::{addr_words, FlowKey, IPPROTO_TCP};
+    use std::time::Instant;
 
     fn key(byte: u8) -> Key {
         Key::new(&[byte; 32]).unwrap()
     }
 
-    fn events(n: usize) -> Vec<Event> {
-        (0..n)
-            .map(|i| Event {
-                kind: if i % 2 == 0 { Kind::Open } else { Kind::Close },
-                client: SocketAddr::new([10, 9, 0, 2].into(), 40000 + i as u16),
-                vip: "[2001:db8::60]:8000".parse().unwrap(),
-                backend: "[fd00:4::11]:8000".parse().unwrap(),
-            })
-            .collect()
+    fn batch(seq: u64, sent_ms: u64, n: usize) -> Batch {
+        let kinds = [Kind::Open, Kind::Close, Kind::Alive];
+        Batch {
+            sender: 0x5eed,
+            seq,
+            sent_ms,
+            events: (0..n)
+                .map(|i| Event {
+                    kind: kinds[i % 3],
+                    client: SocketAddr::new([10, 9, 0, 2].into(), 40000 + i as u16),
+                    vip: "[2001:db8::60]:8000".parse().unwrap(),
+                    backend: "[fd00:4::11]:8000".parse().unwrap(),
+                })
+                .collect(),
+        }
     }
 
     #[test]
     fn a_sealed_batch_opens_with_the_same_key() {
         for n in [0, 1, MAX_EVENTS] {
-            let sent = events(n);
-            let datagram = seal(&key(1), 1_000_000, &sent);
+            let sent = batch(u64::MAX, 1_000_000, n);
+            let datagram = seal(&key(1), &sent);
             assert!(
                 datagram.len() < 1200,
                 "{n} events take {} bytes",
@@ -352,7 +484,7 @@ mod tests {
 
     #[test]
     fn anything_altered_or_foreign_is_refused() {
-        let datagram = seal(&key(1), 1_000_000, &events(3));
+        let datagram = seal(&key(1), &batch(1, 1_000_000, 3));
         assert_eq!(open(&key(2), &datagram, 1_000_000), Err(Refused::Tag));
         for i in [0, 1, datagram.len() / 2, datagram.len() - 1] {
             let mut bad = datagram.clone();
@@ -383,7 +515,7 @@ mod tests {
             d.extend_from_slice(&mac.finalize().into_bytes());
             d
         };
-        let mut other_version = seal(&key(1), 5, &events(1));
+        let mut other_version = seal(&key(1), &batch(1, 5, 1));
         other_version.truncate(other_version.len() - TAG_BYTES);
         other_version[0] = 2;
         assert_eq!(
@@ -394,19 +526,12 @@ mod tests {
             open(&key(1), &sign(vec![VERSION, 0xff, 0xff]), 5),
             Err(Refused::Malformed(_))
         ));
-        let too_many = postcard::to_extend(
-            &Batch {
-                sent_ms: 5,
-                events: events(MAX_EVENTS + 1),
-            },
-            vec![VERSION],
-        )
-        .unwrap();
+        let too_many = postcard::to_extend(&batch(1, 5, MAX_EVENTS + 1), vec![VERSION]).unwrap();
         assert_eq!(
             open(&key(1), &sign(too_many), 5),
             Err(Refused::TooMany(MAX_EVENTS + 1))
         );
-        let datagram = seal(&key(1), 1_000_000, &events(1));
+        let datagram = seal(&key(1), &batch(1, 1_000_000, 1));
         assert_eq!(
             open(&key(1), &datagram, 1_000_000 + 30_001),
             Err(Refused::Stale(30_001))
@@ -418,9 +543,39 @@ mod tests {
     }
 
     #[test]
+    fn replays_and_reflections_are_refused() {
+        let t0 = Instant::now();
+        let mut r = Replays::new(7);
+        let from = |sender, seq| Batch {
+            sender,
+            ..batch(seq, 0, 1)
+        };
+        assert_eq!(r.check(&from(7, 1), t0), Err(Refused::Reflected));
+        for seq in [1, 2, 5, 4] {
+            assert_eq!(r.check(&from(9, seq), t0), Ok(()), "first sight of {seq}");
+        }
+        for seq in [1, 2, 4, 5] {
+            assert_eq!(r.check(&from(9, seq), t0), Err(Refused::Replayed), "{seq}");
+        }
+        // Out of order within the window, once; too far behind, never.
+        assert_eq!(r.check(&from(9, 3), t0), Ok(()));
+        assert_eq!(r.check(&from(9, 5 + REPLAY_WINDOW), t0), Ok(()));
+        assert_eq!(r.check(&from(9, 5), t0), Err(Refused::Replayed));
+        assert_eq!(r.check(&from(9, 6), t0), Ok(()));
+        // Another sender (the peer restarted) has its own numbers.
+        assert_eq!(r.check(&from(10, 1), t0), Ok(()));
+        // A sender silent for twice MAX_AGE is forgotten: its datagrams are too old by then.
+        let later = t0 + MAX_AGE * 2;
+        assert_eq!(r.check(&from(10, 2), later), Ok(()));
+        assert_eq!(r.senders.len(), 1);
+        assert_ne!(sender_id(), sender_id());
+    }
+
+    #[test]
     fn short_keys_are_refused() {
         assert!(Key::new(&[7; 31]).is_err());
-        let dir = tempfile_dir();
+        let dir = std::env::temp_dir().join(format!("balancer-sync-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("key");
         std::fs::write(&path, format!("  {}\n", "k".repeat(32))).unwrap();
         assert!(Key::load(&path).is_ok());
@@ -428,12 +583,6 @@ mod tests {
         let e = format!("{:#}", Key::load(&path).unwrap_err());
         assert!(e.contains("sync.key_file") && e.contains("5 bytes"), "{e}");
         std::fs::remove_dir_all(dir).ok();
-    }
-
-    fn tempfile_dir() -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("balancer-sync-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
     }
 
     #[test]
@@ -455,22 +604,26 @@ mod tests {
             nat_port: 8000u16.to_be(),
             kind: FLOW_EVENT_CLOSE,
             _pad: 0,
+            epoch: 77,
         };
         // SAFETY: plain integers, read back as bytes.
         let bytes = |e: &FlowEvent| unsafe {
             std::slice::from_raw_parts((e as *const FlowEvent).cast::<u8>(), size_of::<FlowEvent>())
                 .to_vec()
         };
+        let close = Event {
+            kind: Kind::Close,
+            client: "10.9.0.2:40001".parse().unwrap(),
+            vip: "192.0.2.60:8000".parse().unwrap(),
+            backend: "10.4.0.13:8000".parse().unwrap(),
+        };
+        assert_eq!(Event::from_ring(&bytes(&e)), Some((close, 77)));
+        e.kind = FLOW_EVENT_ALIVE;
         assert_eq!(
-            Event::from_ring(&bytes(&e)),
-            Some(Event {
-                kind: Kind::Close,
-                client: "10.9.0.2:40001".parse().unwrap(),
-                vip: "192.0.2.60:8000".parse().unwrap(),
-                backend: "10.4.0.13:8000".parse().unwrap(),
-            })
+            Event::from_ring(&bytes(&e)).map(|(e, _)| e.kind),
+            Some(Kind::Alive)
         );
-        assert_eq!(Event::from_ring(&bytes(&e)[..59]), None);
+        assert_eq!(Event::from_ring(&bytes(&e)[..63]), None);
         e.kind = 9;
         assert_eq!(Event::from_ring(&bytes(&e)), None);
         e.kind = FLOW_EVENT_OPEN;

@@ -106,7 +106,8 @@ pub struct VipInfo {
 }
 
 /// The agent shares this VIP's flows with other gateways (`[sync]`): the program reports
-/// each new flow, each close and, while a flow lives, a keepalive in `FLOW_EVENTS`.
+/// each new flow once the client's first ACK follows its SYN, each close and, while a flow
+/// lives, a keepalive in `FLOW_EVENTS`.
 pub const VIP_F_SYNC: u16 = 1;
 
 /// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that
@@ -265,13 +266,21 @@ pub struct FlowEvent {
     /// `FLOW_EVENT_*`.
     pub kind: u8,
     pub _pad: u8,
+    /// When it was reported, in the units of `FlowEntry::synced`: the agent drops what a
+    /// ring kept while no agent drained it, rather than send it as news.
+    pub epoch: u32,
 }
 
-/// A new flow, or a live one reported again before other gateways' entries could expire.
+/// A new flow, placed by its SYN, now that the client's first ACK has followed: it replaces
+/// whatever another gateway's entry for the tuple says (a new connection reusing it).
 pub const FLOW_EVENT_OPEN: u8 = 1;
 /// The flow's first FIN or RST.
 pub const FLOW_EVENT_CLOSE: u8 = 2;
-/// Size of the `FLOW_EVENTS` ring: about 15,000 events (64 bytes and an 8-byte header each),
+/// A live flow reported again before other gateways' entries could expire, or a flow this
+/// gateway placed without seeing its SYN (a guess): it only fills a place where another
+/// gateway has no live entry for the tuple.
+pub const FLOW_EVENT_ALIVE: u8 = 3;
+/// Size of the `FLOW_EVENTS` ring: about 14,000 events (64 bytes and an 8-byte header each),
 /// several seconds of new connections at the gateway benchmark's rate, for an agent that
 /// drains it every few milliseconds.
 pub const FLOW_EVENTS_BYTES: u32 = 1 << 20;
@@ -487,7 +496,7 @@ mod tests {
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);
-        assert_eq!(size_of::<FlowEvent>(), 60);
+        assert_eq!(size_of::<FlowEvent>(), 64);
     }
 
     #[test]

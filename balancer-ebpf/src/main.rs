@@ -22,8 +22,8 @@ use aya_ebpf::{
 };
 use balancer_common::{
     hash::draws, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo, VipKey,
-    ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP,
-    MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
+    ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
+    IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -131,8 +131,15 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             }
             if entry.acked == 0 && !syn {
                 entry.acked = 1;
+                // Shared once the handshake goes on: a flood of spoofed SYNs stays here.
+                if entry.synced != 0
+                    && entry.closed == 0
+                    && sync::report(&pkt.key, entry, FLOW_EVENT_OPEN, now)
+                {
+                    entry.synced = sync::epoch(now);
+                }
             }
-            note_fin(pkt, &pkt.key, entry);
+            note_fin(pkt, &pkt.key, entry, now);
             let ports = (pkt.key.sport, entry.nat_port);
             let ends = (&pkt.key.src, &entry.nat_addr);
             let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
@@ -244,8 +251,10 @@ fn new_flow(
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
-    if entry.synced != 0 {
-        sync::report(&pkt.key, &entry, FLOW_EVENT_OPEN);
+    // A flow placed without its SYN is a guess (another gateway's flow, its entry lost):
+    // shared at once, but never over an entry that another gateway has.
+    if entry.synced != 0 && !syn {
+        sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
     }
     count(if syn {
         Counter::FlowNewSyn
@@ -334,7 +343,7 @@ fn reply(
         entry.last_seen_ns = now;
         sync::keepalive(key, entry, now);
     }
-    note_fin(pkt, key, entry);
+    note_fin(pkt, key, entry, now);
     count(Counter::Return);
     if nat::rewrite_src(ctx, pkt, &vip.addr, vip.port).is_err() {
         count(Counter::PassMalformed);
@@ -350,11 +359,11 @@ fn reply(
 /// shared flow's close is reported, so that other gateways rebalance a SYN that reuses its
 /// tuple (at worst twice, by FINs that meet at once: the report is idempotent).
 #[inline(always)]
-fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry) {
+fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry, now: u64) {
     if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
         entry.closed = 1;
         if entry.synced != 0 {
-            sync::report(key, entry, FLOW_EVENT_CLOSE);
+            sync::report(key, entry, FLOW_EVENT_CLOSE, now);
         }
         if room::claim(&mut entry.close_claim) {
             note_closed(entry.backend_id);

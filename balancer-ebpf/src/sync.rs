@@ -4,9 +4,11 @@
 //! ring loses it (counted), and a flow that lives on is reported again at its next keepalive.
 
 use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
-use balancer_common::{Counter, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_OPEN};
+use balancer_common::{Counter, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE};
 
 use crate::maps::{count, FLOW_EVENTS};
+
+const NS_PER_S: u64 = 1_000_000_000;
 
 /// `now` in the units of `FlowEntry::synced` (2^30 ns), never 0, which means "not shared".
 #[inline(always)]
@@ -19,35 +21,39 @@ pub fn epoch(now: u64) -> u32 {
     }
 }
 
+/// Reports the flow `key` with `entry`'s backend; false when the ring had no room.
 #[inline(always)]
-pub fn report(key: &FlowKey, entry: &FlowEntry, kind: u8) {
+pub fn report(key: &FlowKey, entry: &FlowEntry, kind: u8, now: u64) -> bool {
     let event = FlowEvent {
         key: *key,
         nat_addr: entry.nat_addr,
         nat_port: entry.nat_port,
         kind,
         _pad: 0,
+        epoch: epoch(now),
     };
-    if FLOW_EVENTS
+    let sent = FLOW_EVENTS
         .output::<FlowEvent>(&event, u64::from(BPF_RB_NO_WAKEUP))
-        .is_err()
-    {
+        .is_ok();
+    if !sent {
         count(Counter::SyncLost);
     }
+    sent
 }
 
-/// A shared flow that is still alive is reported again once half its idle timeout has
-/// passed since the last report, so that other gateways' entries do not expire while its
-/// packets come here. Called at most once a second per flow (with `last_seen_ns`).
+/// A shared flow that is still alive is reported again once a third of its idle timeout has
+/// passed since the last report that got through, so that other gateways' entries do not
+/// expire while its packets come here, even with one report lost. Called at most once a
+/// second per flow (with `last_seen_ns`).
 #[inline(always)]
 pub fn keepalive(key: &FlowKey, entry: &mut FlowEntry, now: u64) {
     if entry.synced == 0 {
         return;
     }
     let e = epoch(now);
-    let half = entry.idle_timeout_s / 2;
-    if e.wrapping_sub(entry.synced) >= if half == 0 { 1 } else { half } {
+    let every = (u64::from(entry.idle_timeout_s) * NS_PER_S / 3) >> 30;
+    let every = if every == 0 { 1 } else { every as u32 };
+    if e.wrapping_sub(entry.synced) >= every && report(key, entry, FLOW_EVENT_ALIVE, now) {
         entry.synced = e;
-        report(key, entry, FLOW_EVENT_OPEN);
     }
 }

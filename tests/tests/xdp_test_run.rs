@@ -1230,16 +1230,21 @@ fn vip_key(n: &Net, sport: u16) -> balancer_common::FlowKey {
 fn reported(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<Event> {
     let mut events = Vec::new();
     while let Some(item) = ring.next() {
-        events.push(Event::from_ring(&item).expect("the program writes well-formed events"));
+        let (e, at) = Event::from_ring(&item).expect("the program writes well-formed events");
+        assert!(epoch().wrapping_sub(at) <= 1, "reported at epoch {at}");
+        events.push(e);
     }
     events
 }
 
-/// Flows shared with other gateways (`[sync]`): the program reports a new flow, a keepalive
-/// once half the idle timeout has passed since the last report, and the first FIN only; a
-/// VIP without sharing reports nothing. A flow another gateway reported (written by the
-/// agent) is followed by a mid-stream packet that has no SYN here, and its close is
-/// reported but not counted, as its open was not.
+/// Flows shared with other gateways (`[sync]`): the program reports a new flow once the
+/// client's ACK follows its SYN, a keepalive once a third of the idle timeout has passed
+/// since the last report (not before), the first FIN only, and a flow placed without its SYN
+/// as a guess; a VIP without sharing reports nothing. A flow another gateway reported
+/// (written by the agent) is followed by a mid-stream packet that has no SYN here, to the
+/// server that gateway chose rather than this one's Maglev pick; its close is reported but
+/// not counted, as its open was not; and what each kind of report may overwrite follows
+/// `Dataplane::adopt_flow`.
 #[test]
 fn shared_flows_are_reported_and_followed() -> Result<()> {
     let _serial = balancer_tests::serial();
@@ -1258,18 +1263,30 @@ fn shared_flows_are_reported_and_followed() -> Result<()> {
             let plan =
                 Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
             dp.apply(&plan)?;
+            for &(id, _) in &plan.backends {
+                dp.set_budget(id, 1_000_000)?;
+            }
             let mut ring = dp.take_flow_events().context("the ring")?;
             let mut h = Harness {
                 dp,
                 g0: ifindex("g0")?,
                 g1: ifindex("g1")?,
             };
+            let id = |addr: IpAddr| {
+                let (w, _) = balancer_common::addr_words(addr);
+                plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
+            };
             for n in &nets {
-                let id = |addr: IpAddr| {
-                    let (w, _) = balancer_common::addr_words(addr);
-                    plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
-                };
-                reports(&mut h, &mut ring, n, sharing, id(n.backend))?;
+                reports(&mut h, &mut ring, n, sharing)?;
+                if sharing {
+                    let table = &plan
+                        .vips
+                        .iter()
+                        .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
+                        .unwrap()
+                        .table;
+                    adopted(&mut h, &mut ring, n, table, &id)?;
+                }
             }
         }
         Ok(())
@@ -1283,7 +1300,6 @@ fn reports(
     ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
     n: &Net,
     sharing: bool,
-    backend_id: u32,
 ) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let event = |kind, sport| Event {
@@ -1292,9 +1308,10 @@ fn reports(
         vip: SocketAddr::new(n.vip, 8000),
         backend: SocketAddr::new(n.backend, 8000),
     };
+    let want = |events: Vec<Event>| if sharing { events } else { Vec::new() };
     let syn = client_syn(n, n.vip, 40300);
     let ack = syn.with(|f| f.flags = "A");
-    let reply_fin = Frame {
+    let reply = Frame {
         smac: MAC_S0,
         dmac: MAC_G1,
         vlan: None,
@@ -1303,7 +1320,7 @@ fn reports(
         sport: 8000,
         dport: 40300,
         ttl: 64,
-        flags: "FA",
+        flags: "PA",
         bulk: 0,
     };
     let run = |h: &mut Harness, ingress: u32, f: &Frame| -> Result<()> {
@@ -1311,80 +1328,147 @@ fn reports(
         ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
         Ok(())
     };
-    let g0 = h.g0;
-    let g1 = h.g1;
+    let (g0, g1) = (h.g0, h.g1);
     run(h, g0, &syn)?;
-    let want = |events: Vec<Event>| if sharing { events } else { Vec::new() };
+    ensure!(reported(ring).is_empty(), "{fam}: reported at its SYN");
+    run(h, g0, &ack)?;
     ensure!(
         reported(ring) == want(vec![event(Kind::Open, 40300)]),
-        "{fam}: a new flow"
+        "{fam}: the handshake's ACK"
     );
     run(h, g0, &ack)?;
     ensure!(reported(ring).is_empty(), "{fam}: reported again at once");
-    // Half the idle timeout (600 s) since the last report, and a second since the last
-    // packet: the next packet reports it again, as a reply would.
+    // A keepalive every third of the idle timeout (600 s: 186 epochs of 2^30 ns), checked
+    // when the entry's time is refreshed (a packet a second after the last).
     let key = vip_key(n, 40300);
-    let mut e = h.dp.flow_table().get(&key, 0)?;
-    ensure!((e.synced != 0) == sharing, "{fam}: synced {}", e.synced);
-    if sharing {
-        e.synced = epoch().wrapping_sub(300);
+    for (since, expect) in [(185, vec![]), (186, vec![event(Kind::Alive, 40300)])] {
+        let mut e = h.dp.flow_table().get(&key, 0)?;
+        ensure!((e.synced != 0) == sharing, "{fam}: synced {}", e.synced);
+        if sharing {
+            e.synced = epoch().wrapping_sub(since);
+        }
+        e.last_seen_ns -= 2_000_000_000;
+        h.dp.flow_table().insert(key, e, 0)?;
+        run(h, g1, &reply)?;
+        ensure!(
+            reported(ring) == want(expect),
+            "{fam}: keepalive {since} epochs after the last report"
+        );
     }
-    e.last_seen_ns -= 2_000_000_000;
-    h.dp.flow_table().insert(key, e, 0)?;
-    run(h, g1, &reply_fin.with(|f| f.flags = "PA"))?;
-    ensure!(
-        reported(ring) == want(vec![event(Kind::Open, 40300)]),
-        "{fam}: a keepalive"
-    );
-    run(h, g1, &reply_fin)?;
+    run(h, g1, &reply.with(|f| f.flags = "FA"))?;
     run(h, g0, &ack.with(|f| f.flags = "FA"))?;
     ensure!(
         reported(ring) == want(vec![event(Kind::Close, 40300)]),
         "{fam}: the first FIN only"
     );
+    // Placed without its SYN: a guess, shared as such.
+    run(h, g0, &ack.with(|f| f.sport = 40302))?;
+    ensure!(
+        reported(ring) == want(vec![event(Kind::Alive, 40302)]),
+        "{fam}: a flow placed mid-stream"
+    );
+    Ok(())
+}
 
-    // A flow of another gateway: no SYN here, and it goes where that gateway sent it.
-    if !sharing {
-        return Ok(());
-    }
-    let key = vip_key(n, 40301);
-    let (addr, _) = balancer_common::addr_words(n.backend);
-    h.dp.adopt_flow(&key, (backend_id, addr, 8000u16.to_be()), 600, true)?;
-    let before = h.stats(backend_id);
-    let data = ack.with(|f| {
-        f.sport = 40301;
-        f.flags = "PA";
-    });
+/// A flow of another gateway on the multi-backend VIP, on a server this gateway's Maglev
+/// would not pick for it.
+fn adopted(
+    h: &mut Harness,
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    n: &Net,
+    table: &[u32],
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let sport = 40310;
+    let pick = maglev_pick(n, sport, table, id)?;
+    let (theirs, other) = {
+        let mut rest = n.multi.iter().copied().filter(|b| *b != pick);
+        (rest.next().unwrap(), rest.next().unwrap())
+    };
+    let key = multi_key(n, sport);
+    let target = |b: IpAddr| (id(b), balancer_common::addr_words(b).0, 8000u16.to_be());
+    let g0 = h.g0;
+    ensure!(
+        h.dp.adopt_flow(&key, target(theirs), 600, Kind::Open)?,
+        "{fam}: not written"
+    );
+    let before = h.stats(id(theirs));
+    let data = client_syn(n, n.vip_multi, sport).with(|f| f.flags = "PA");
+    // No neighbour entries behind this VIP: rewritten, then to the stack.
     h.expect(
-        &format!("{fam} data of a flow another gateway opened"),
+        &format!("{fam} data of a flow another gateway opened on {theirs}, not {pick}"),
         g0,
         &data.bytes(),
-        XDP_REDIRECT,
-        &data
-            .with(|f| {
-                f.smac = MAC_G1;
-                f.dmac = MAC_BACKEND;
-                f.dst = n.backend;
-                f.ttl -= 1;
-            })
-            .bytes(),
-        Counter::Forward,
+        XDP_PASS,
+        &data.with(|f| f.dst = theirs).bytes(),
+        Counter::PassNoNeigh,
     )?;
-    run(h, g0, &data.with(|f| f.flags = "FA"))?;
+    // What other reports may do to it.
+    let at = |h: &mut Harness| -> Result<IpAddr> {
+        let e = h.dp.flow_table().get(&key, 0)?;
+        server(n, e.backend_id, id)
+    };
     ensure!(
-        reported(ring) == vec![event(Kind::Close, 40301)],
-        "{fam}: the adopted flow's close is reported"
+        !h.dp.adopt_flow(&key, target(other), 600, Kind::Alive)? && at(h)? == theirs,
+        "{fam}: a guess overrode a live entry"
     );
-    let after = h.stats(backend_id);
+    ensure!(
+        !h.dp.adopt_flow(&key, target(other), 600, Kind::Close)?
+            && h.dp.flow_table().get(&key, 0)?.closed == 0,
+        "{fam}: another server's close closed it"
+    );
+    let (v, _) = h.run(g0, &data.with(|f| f.flags = "FA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let reported = reported(ring);
+    ensure!(
+        reported.len() == 1
+            && reported[0].kind == Kind::Close
+            && reported[0].backend.ip() == theirs,
+        "{fam}: the adopted flow's close: {reported:?}"
+    );
+    let after = h.stats(id(theirs));
     ensure!(
         (after.flows_opened, after.flows_closed) == (before.flows_opened, before.flows_closed),
         "{fam}: an adopted flow counted as opened or closed here: {before:?} -> {after:?}"
     );
-    // The other gateway's close marks it closed here: a SYN on its tuple is balanced anew.
-    h.dp.adopt_flow(&key, (backend_id, addr, 8000u16.to_be()), 600, false)?;
     ensure!(
-        h.dp.flow_table().get(&key, 0)?.closed == 1,
-        "{fam}: not closed"
+        !h.dp.adopt_flow(&key, target(theirs), 600, Kind::Alive)?
+            && h.dp.flow_table().get(&key, 0)?.closed == 1,
+        "{fam}: a late keepalive reopened a closed flow"
     );
+    // A new connection on the tuple, placed by its SYN elsewhere: it replaces the entry.
+    ensure!(
+        h.dp.adopt_flow(&key, target(other), 600, Kind::Open)? && at(h)? == other,
+        "{fam}: a new connection did not replace a closed one"
+    );
+    // A flow this gateway opened, closed through a peer: its close is counted here, once.
+    let sport = 40311;
+    let syn = client_syn(n, n.vip_multi, sport);
+    let (v, _) = h.run(g0, &syn.bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: SYN verdict {v}");
+    let mine = maglev_pick(n, sport, table, id)?;
+    let key = multi_key(n, sport);
+    let before = h.stats(id(mine));
+    for _ in 0..2 {
+        h.dp.adopt_flow(&key, target(mine), 600, Kind::Close)?;
+    }
+    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "FA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let after = h.stats(id(mine));
+    ensure!(
+        after.flows_closed == before.flows_closed + 1,
+        "{fam}: a close through a peer counted {} times",
+        after.flows_closed - before.flows_closed
+    );
+    reported_nothing_else(ring, fam)
+}
+
+fn reported_nothing_else(
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    fam: &str,
+) -> Result<()> {
+    let rest = reported(ring);
+    ensure!(rest.is_empty(), "{fam}: unexpected reports {rest:?}");
     Ok(())
 }
