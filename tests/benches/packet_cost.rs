@@ -281,7 +281,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             )),
             IpAddr::V6(_) => ip(&format!("fd00:{}::{:x}", 20 + salt, i)),
         };
-        let mut sums = [0.0f64; 10];
+        let mut sums = [0.0f64; 11];
         let hint = HintRange::DEFAULT;
         let flow = |i: u32| (client(i, 0), 40000 + (i % 20000) as u16);
         // In chunks of flows, each packet kind in a pass over the chunk: a flow's entry has
@@ -296,15 +296,17 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const REPLY: usize = 4;
         const HINTED: usize = 5;
         const FIRST_REPLY: usize = 6;
-        // Not a figure: the flow's first packet of the established size, whose next-hop
-        // lookup (the SYN's answer was checked for a shorter packet) the next ones are spared.
+        // The flow's first packet after its SYN, of the established size: it marks the flow
+        // acknowledged and looks the next hop up again (the SYN's answer was checked for a
+        // shorter packet), which the next ones are spared.
         const WARM_FORWARD: usize = 7;
         // The packet right after ESTABLISHED, as in a burst of segments: its entry is cached.
         const BURST: usize = 8;
-        // A SYN to the shared VIP: reported in `FLOW_EVENTS` as well, which is drained after
-        // every chunk, as the agent's sender would, so that it never fills (a full ring
-        // would spare the copy).
+        // A SYN to the shared VIP, and its first packet after it, which reports the flow in
+        // `FLOW_EVENTS` as well. The ring is drained after every chunk, as the agent's sender
+        // would, so that it never fills (a full ring would spare the copy).
         const SHARED_SYN: usize = 9;
+        const SHARED_FIRST: usize = 10;
         let ours: &Xdp = dp.program();
         let floor_prog: &Xdp = pass;
         let packet = |figure: usize, i: u32| {
@@ -322,6 +324,12 @@ fn measure(plan: &Plan) -> Result<Measured> {
                 ESTABLISHED | WARM_FORWARD | BURST => {
                     (ours, g0, frame(c, n.vip, sport, 8000, false), XDP_REDIRECT)
                 }
+                SHARED_FIRST => (
+                    ours,
+                    g0,
+                    frame(c, n.vip_shared, sport, 8000, false),
+                    XDP_REDIRECT,
+                ),
                 HINTED => {
                     let hport = hint.start + (i % u32::from(hint.span)) as u16;
                     let f = frame(client(i, 1), n.vip, hport, 8000, true);
@@ -339,7 +347,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         // Over a chunk of flows, pass after pass: the flows' first packets, then each way.
         let passes: [&[usize]; 4] = [
             &[FLOOR, NOT_OURS, SYN, HINTED, SHARED_SYN],
-            &[FIRST_REPLY, WARM_FORWARD],
+            &[FIRST_REPLY, WARM_FORWARD, SHARED_FIRST],
             &[ESTABLISHED, BURST],
             &[REPLY],
         ];
@@ -361,12 +369,12 @@ fn measure(plan: &Plan) -> Result<Measured> {
             }
             ensure!(
                 reported == flows.len(),
-                "{fam}: {reported} shared flows reported for {} SYNs",
+                "{fam}: {reported} shared flows reported for {} handshakes",
                 flows.len()
             );
             start = flows.end;
         }
-        let [floor, not_ours, maglev, established, reply, hinted, first_reply, _, burst, shared_syn] =
+        let [floor, not_ours, maglev, established, reply, hinted, first_reply, first, burst, shared_syn, shared_first] =
             sums.map(|s| s / k);
         let goal = |ratio: f64, max: f64| {
             format!("<= {max}x: {}", if ratio <= max { "met" } else { "MISSED" })
@@ -409,6 +417,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
             "shared_syn",
             "new SYN through Maglev, flow shared (`[sync]`)",
             shared_syn,
+            String::new(),
+        );
+        row(
+            "first_forward",
+            "first packet after the SYN",
+            first,
+            String::new(),
+        );
+        row(
+            "shared_first_forward",
+            "first packet after the SYN, flow shared (reported)",
+            shared_first,
             String::new(),
         );
         row(
