@@ -124,6 +124,8 @@ pub struct Dataplane {
     counters: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    /// The flow table's id, for a handle of its own (`sync::live_flows`).
+    flows_id: u32,
     replies: BpfHashMap<MapData, ReplyKey, Replies>,
     buckets: Array<MapData, Bucket>,
     /// `BackendLoad` per backend: three slots each.
@@ -192,7 +194,12 @@ impl Dataplane {
         )?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
-        let flows = BpfHashMap::try_from(take(&mut ebpf, "FLOWS")?)?;
+        let flows = take(&mut ebpf, "FLOWS")?;
+        let flows_id = match &flows {
+            Map::LruHashMap(data) => data.info()?.id(),
+            _ => bail!("FLOWS is not an LRU hash map"),
+        };
+        let flows = BpfHashMap::try_from(flows)?;
         let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
@@ -213,6 +220,7 @@ impl Dataplane {
             counters,
             backend_stats,
             flows,
+            flows_id,
             replies,
             buckets,
             load,
@@ -615,6 +623,11 @@ impl Dataplane {
         // `budget` and `_pad` share the third slot, budget in the low half (little-endian).
         load[2].store(u64::from(budget as u32), Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The flow table's map id.
+    pub fn flows_id(&self) -> u32 {
+        self.flows_id
     }
 
     /// The ring of the program's reports of shared flows (`sync.rs`), once.

@@ -105,28 +105,24 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     if let Some((socket, key, peers)) = sharing {
         let stats = Arc::new(sync::Stats::default());
-        let ring = {
+        let (ring, flows_id) = {
             let mut c = lock(&ctl);
             c.share_stats(stats.clone());
-            c.dataplane().take_flow_events()
+            let dp = c.dataplane();
+            (dp.take_flow_events(), dp.flows_id())
         };
-        let id = sync::sender_id();
+        let sender = Arc::new(sync::Sender::new(socket, peers.clone(), key, stats));
         if let Some(ring) = ring {
-            let sender = sync::Sender {
-                id,
-                socket: socket.clone(),
-                peers: peers.clone(),
-                key: key.clone(),
-                stats: stats.clone(),
-            };
-            tasks.push(tokio::spawn(sync::send_loop(ring, sender)));
+            tasks.push(tokio::spawn(sync::send_loop(ring, sender.clone())));
         }
-        let from = peers.iter().map(|p| p.ip().to_canonical()).collect();
         let c = ctl.clone();
         let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
         tasks.push(tokio::spawn(sync::receive_loop(
-            socket, from, key, id, stats, apply,
+            sender.clone(),
+            flows_id,
+            apply,
         )));
+        tasks.push(tokio::spawn(sync::hello_loop(sender)));
         info!(peers = ?peers, "sharing flows with the other gateways");
     } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
         tasks.push(tokio::spawn(sync::discard_loop(ring)));

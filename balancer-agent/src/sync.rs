@@ -18,7 +18,7 @@ use std::{
     os::unix::fs::PermissionsExt,
     path::Path,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -26,12 +26,14 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapData, RingBuf};
-use balancer_common::{words_addr, FlowEvent, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN};
+use balancer_common::{
+    words_addr, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
+};
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 use tokio::net::UdpSocket;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// The format of the datagrams; a receiver refuses any other.
 pub const VERSION: u8 = 1;
@@ -115,6 +117,8 @@ pub struct Batch {
     pub seq: u64,
     /// Milliseconds since the Unix epoch, by the sender's clock.
     pub sent_ms: u64,
+    /// The sender has just started and asks for the receiver's live flows.
+    pub hello: bool,
     pub events: Vec<Event>,
 }
 
@@ -315,27 +319,79 @@ impl Stats {
     }
 }
 
-/// What a sending agent is: its id, and where its peers are.
+/// This agent's side of the conversation: its id, its socket, its peers, its datagrams'
+/// numbers.
 pub struct Sender {
     pub id: u64,
     pub socket: Arc<UdpSocket>,
     pub peers: Vec<SocketAddr>,
     pub key: Key,
     pub stats: Arc<Stats>,
+    seq: AtomicU64,
+    /// In a run of send failures, which is warned about once.
+    failing: AtomicBool,
+}
+
+impl Sender {
+    pub fn new(
+        socket: Arc<UdpSocket>,
+        peers: Vec<SocketAddr>,
+        key: Key,
+        stats: Arc<Stats>,
+    ) -> Self {
+        Sender {
+            id: sender_id(),
+            socket,
+            peers,
+            key,
+            stats,
+            seq: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// Sends `events` to each of `to`, in datagrams of at most [`MAX_EVENTS`].
+    pub async fn send(&self, to: &[SocketAddr], events: &[Event]) {
+        for chunk in events.chunks(MAX_EVENTS) {
+            self.send_batch(to, chunk, false).await;
+        }
+    }
+
+    /// Asks each peer for its live flows.
+    pub async fn hello(&self) {
+        self.send_batch(&self.peers, &[], true).await;
+    }
+
+    async fn send_batch(&self, to: &[SocketAddr], events: &[Event], hello: bool) {
+        let batch = Batch {
+            sender: self.id,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            sent_ms: unix_ms(),
+            hello,
+            events: events.to_vec(),
+        };
+        let datagram = seal(&self.key, &batch);
+        for peer in to {
+            match self.socket.send_to(&datagram, peer).await {
+                Ok(_) => {
+                    let n = events.len() as u64;
+                    self.stats.sent.fetch_add(n, Ordering::Relaxed);
+                    self.failing.store(false, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+                    if !self.failing.swap(true, Ordering::Relaxed) {
+                        warn!(%peer, "sending flows to a peer failed: {e}");
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Drains the program's ring every [`DRAIN_INTERVAL`] and sends what it holds to every peer.
-pub async fn send_loop(mut ring: RingBuf<MapData>, sender: Sender) {
-    let Sender {
-        id,
-        socket,
-        peers,
-        key,
-        stats,
-    } = sender;
-    let mut failing = false;
+pub async fn send_loop(mut ring: RingBuf<MapData>, sender: Arc<Sender>) {
     let mut events = Vec::new();
-    let mut seq = 0;
     loop {
         tokio::time::sleep(DRAIN_INTERVAL).await;
         let now = (crate::dataplane::monotonic_ns() >> 30) as u32;
@@ -343,37 +399,12 @@ pub async fn send_loop(mut ring: RingBuf<MapData>, sender: Sender) {
             match Event::from_ring(&item) {
                 Some((e, at)) if now.wrapping_sub(at) <= MAX_BACKLOG_EPOCHS => events.push(e),
                 Some(_) => {
-                    stats.backlog.fetch_add(1, Ordering::Relaxed);
+                    sender.stats.backlog.fetch_add(1, Ordering::Relaxed);
                 }
                 None => {}
             }
         }
-        for chunk in events.chunks(MAX_EVENTS) {
-            seq += 1;
-            let batch = Batch {
-                sender: id,
-                seq,
-                sent_ms: unix_ms(),
-                events: chunk.to_vec(),
-            };
-            let datagram = seal(&key, &batch);
-            for peer in &peers {
-                match socket.send_to(&datagram, peer).await {
-                    Ok(_) => {
-                        stats.sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                        failing = false;
-                    }
-                    Err(e) => {
-                        stats.send_errors.fetch_add(1, Ordering::Relaxed);
-                        // Once per run of failures, not once per datagram.
-                        if !failing {
-                            warn!(%peer, "sending flows to a peer failed: {e}");
-                        }
-                        failing = true;
-                    }
-                }
-            }
-        }
+        sender.send(&sender.peers, &events).await;
         events.clear();
     }
 }
@@ -388,22 +419,96 @@ pub async fn discard_loop(mut ring: RingBuf<MapData>) {
     }
 }
 
+/// When this agent starts, it asks every peer for the flows it has, a few times
+/// ([`HELLO_AT`]: datagrams get lost): a gateway that starts with an empty flow table (a
+/// reboot, a new gateway) or missed reports while its agent was down learns the live ones
+/// before traffic moves to it.
+pub async fn hello_loop(sender: Arc<Sender>) {
+    let started = tokio::time::Instant::now();
+    for at in HELLO_AT {
+        tokio::time::sleep_until(started + at).await;
+        sender.hello().await;
+    }
+}
+
+const HELLO_AT: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_secs(1),
+    Duration::from_secs(3),
+];
+/// Datagrams of a table dump sent per millisecond: about 64,000 flows a second, which the
+/// receiving agent writes into its table as they come.
+const DUMP_PER_MS: usize = 4;
+
+/// Every live shared flow in the flow table with map id `flows_id`, as keepalives: they fill
+/// the receiver's table where it has no live entry. Walks the whole table, through a handle
+/// of its own, so that the agent's lock is not held meanwhile.
+pub fn live_flows(flows_id: u32) -> Result<Vec<Event>> {
+    let data = MapData::from_id(flows_id).context("opening the flow table")?;
+    let table: aya::maps::HashMap<MapData, FlowKey, FlowEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    let now = crate::dataplane::monotonic_ns();
+    let mut events = Vec::new();
+    for item in table.iter() {
+        // Entries come and go while we walk.
+        let Ok((k, e)) = item else { continue };
+        let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
+        if e.synced == 0 || e.closed != 0 || now.saturating_sub(e.last_seen_ns) > idle {
+            continue;
+        }
+        let end = |words, port: u16| {
+            Some(SocketAddr::new(
+                words_addr(words, k.family)?,
+                u16::from_be(port),
+            ))
+        };
+        let (Some(client), Some(vip), Some(backend)) = (
+            end(k.src, k.sport),
+            end(k.dst, k.dport),
+            end(e.nat_addr, e.nat_port),
+        ) else {
+            continue;
+        };
+        events.push(Event {
+            kind: Kind::Alive,
+            client,
+            vip,
+            backend,
+        });
+    }
+    Ok(events)
+}
+
+/// Sends `to` every live shared flow of the flow table `flows_id`, paced.
+async fn dump(sender: Arc<Sender>, to: SocketAddr, flows_id: u32) {
+    let flows = match tokio::task::spawn_blocking(move || live_flows(flows_id)).await {
+        Ok(Ok(flows)) => flows,
+        Ok(Err(e)) => return warn!(%to, "reading the flow table for a peer: {e:#}"),
+        Err(e) => return warn!(%to, "reading the flow table for a peer: {e}"),
+    };
+    for part in flows.chunks(MAX_EVENTS * DUMP_PER_MS) {
+        sender.send(&[to], part).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    info!(peer = %to, flows = flows.len(), "sent our flows to a peer that started");
+}
+
 /// Receives peers' datagrams and hands their events to `apply`, which returns how many it
-/// wrote and how many named a VIP or server it does not have. `own` is this agent's sender
-/// id.
+/// wrote and how many named a VIP or server it does not have; answers a peer's hello with
+/// the live flows of the flow table `flows_id` (a map id).
 pub async fn receive_loop(
-    socket: Arc<UdpSocket>,
-    peers: Vec<IpAddr>,
-    key: Key,
-    own: u64,
-    stats: Arc<Stats>,
+    sender: Arc<Sender>,
+    flows_id: u32,
     apply: impl Fn(&[Event]) -> (u64, u64),
 ) {
+    let peers: Vec<IpAddr> = sender.peers.iter().map(|p| p.ip().to_canonical()).collect();
+    let stats = sender.stats.clone();
     let mut buf = vec![0u8; 65536];
-    let mut replays = Replays::new(own);
+    let mut replays = Replays::new(sender.id);
     let mut last_refused = None;
+    let mut greeted = std::collections::HashSet::new();
     loop {
-        let (len, from) = match socket.recv_from(&mut buf).await {
+        let (len, from) = match sender.socket.recv_from(&mut buf).await {
             Ok(r) => r,
             Err(e) => {
                 warn!("receiving flows: {e}");
@@ -417,7 +522,7 @@ pub async fn receive_loop(
             debug!(%from, "refused a datagram: not from a peer");
             continue;
         }
-        let opened = open(&key, &buf[..len], unix_ms()).and_then(|batch| {
+        let opened = open(&sender.key, &buf[..len], unix_ms()).and_then(|batch| {
             replays
                 .check(&batch, std::time::Instant::now())
                 .map(|()| batch)
@@ -427,6 +532,11 @@ pub async fn receive_loop(
                 let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
+                // Once per agent run that asks (it asks a few times).
+                if batch.hello && greeted.insert(batch.sender) {
+                    info!(peer = %from, "a peer started: sending it our flows");
+                    tokio::spawn(dump(sender.clone(), from, flows_id));
+                }
             }
             Err(why) => {
                 // Once per run of refusals from a peer, then quietly counted: a peer with
@@ -457,6 +567,7 @@ mod tests {
             sender: 0x5eed,
             seq,
             sent_ms,
+            hello: false,
             events: (0..n)
                 .map(|i| Event {
                     kind: kinds[i % 3],

@@ -7,8 +7,10 @@
 //! servers: without the shared flows, every stream's next packet would go to another server
 //! (which answers with a reset) and its server's replies would not be translated back. With
 //! them, every stream must end with all its tokens and `[DONE]` and receive tokens after the
-//! failover, while new connections through the second gateway avoid the drained servers. A
-//! datagram from an address that is not a peer changes nothing and is counted.
+//! failover, while new connections through the second gateway avoid the drained servers.
+//! Before the failover, the second gateway's agent restarts with an empty flow table: it
+//! learns the streams by asking the first for its flows. A datagram from an address that is
+//! not a peer changes nothing and is counted.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
@@ -197,6 +199,29 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     let sent = wait_counter(&first, "sync_sent", STREAMS as u64)?;
     let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
     println!("streams on {carrying:?}; the first gateway sent {sent} events, the second applied {applied}");
+
+    // The second gateway restarts with an empty flow table (no pins: a reboot, as far as
+    // its maps go) after the streams were reported: it asks the first for its flows.
+    second.stop()?;
+    let mut first = first;
+    let mark = first.log_len();
+    let second = Agent::start_in(
+        topology,
+        topology.gw2()?,
+        "agent2-restarted",
+        binary,
+        &second_config,
+    )?;
+    for i in 0..BACKENDS {
+        if carrying.contains(&backend_name(i)) {
+            drain(&[&second], i, true)?;
+        }
+    }
+    let dumped = first.wait_for_log(mark, Duration::from_secs(5), |l| {
+        l.contains("sent our flows to a peer that started")
+    })?;
+    let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
+    println!("after its restart the second gateway applied {applied} flows; the first: {dumped}");
 
     // A datagram from a server's address, not a peer's: refused, nothing else changes.
     let refused = counter(&second, "sync_refused")?;
