@@ -2,9 +2,10 @@
 //! moves its connections' packets to another one, whose Maglev table differs (weights follow
 //! each agent's own scrapes) and which never saw the flows placed by a hint, a spill or a
 //! second draw. So each program reports its shared flows (`FLOW_EVENTS`: open, close, and a
-//! keepalive every half idle timeout) and the agent sends them to its peers, whose agents
-//! write the same backend into their own flow tables: the connection stays on its server
-//! whichever gateway its packets cross.
+//! keepalive every third of the idle timeout) and the agent sends them to its peers, whose
+//! agents write the same backend into their own flow tables: the connection stays on its
+//! server whichever gateway its packets cross. A starting agent asks its peers for all their
+//! live flows (hello), so that a gateway back from a reboot knows them too.
 //!
 //! On the wire: one UDP datagram per batch of at most [`MAX_EVENTS`] events, a version byte,
 //! the batch in postcard, and an HMAC-SHA256 of both under the key all gateways share.
@@ -92,20 +93,24 @@ impl Event {
             FLOW_EVENT_ALIVE => Kind::Alive,
             _ => return None,
         };
-        let family = e.key.family;
+        Some((Event::of(kind, &e.key, e.nat_addr, e.nat_port)?, e.epoch))
+    }
+
+    /// The flow `key` and its backend `addr:port` as they are stored (network order), if
+    /// the family is one of ours.
+    fn of(kind: Kind, key: &FlowKey, addr: [u32; 4], port: u16) -> Option<Event> {
         let end = |words, port: u16| {
             Some(SocketAddr::new(
-                words_addr(words, family)?,
+                words_addr(words, key.family)?,
                 u16::from_be(port),
             ))
         };
-        let event = Event {
+        Some(Event {
             kind,
-            client: end(e.key.src, e.key.sport)?,
-            vip: end(e.key.dst, e.key.dport)?,
-            backend: end(e.nat_addr, e.nat_port)?,
-        };
-        Some((event, e.epoch))
+            client: end(key.src, key.sport)?,
+            vip: end(key.dst, key.dport)?,
+            backend: end(addr, port)?,
+        })
     }
 }
 
@@ -456,25 +461,7 @@ pub fn live_flows(flows_id: u32) -> Result<Vec<Event>> {
         if e.synced == 0 || e.closed != 0 || now.saturating_sub(e.last_seen_ns) > idle {
             continue;
         }
-        let end = |words, port: u16| {
-            Some(SocketAddr::new(
-                words_addr(words, k.family)?,
-                u16::from_be(port),
-            ))
-        };
-        let (Some(client), Some(vip), Some(backend)) = (
-            end(k.src, k.sport),
-            end(k.dst, k.dport),
-            end(e.nat_addr, e.nat_port),
-        ) else {
-            continue;
-        };
-        events.push(Event {
-            kind: Kind::Alive,
-            client,
-            vip,
-            backend,
-        });
+        events.extend(Event::of(Kind::Alive, &k, e.nat_addr, e.nat_port));
     }
     Ok(events)
 }
