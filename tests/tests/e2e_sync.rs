@@ -1,5 +1,6 @@
 //! Two gateways that share their flows (`[sync]`), end to end over namespaces with four
-//! simulators: streams open through the first gateway; the operator drains, on both, every
+//! simulators: streams open through the first gateway, to an IPv4 and an IPv6 VIP in turn;
+//! the operator drains, on both, every
 //! server that carries one; then the first gateway fails (its links go down, its agent is
 //! killed) and the client's and servers' routes move to the second, as ECMP would.
 //!
@@ -23,7 +24,8 @@ use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::sim::client::{self, Item, Stream};
 use balancer_tests::topology::{
-    backend_name, Family, Topology, BACKENDS, GATEWAY_SERVER_SIDE, SECOND_GATEWAY_INTERFACES,
+    backend_name, Family, Topology, BACKENDS, BACKEND_PORT, GATEWAY_SERVER_SIDE,
+    SECOND_GATEWAY_INTERFACES,
 };
 use balancer_tests::{check_nothing_remains, serial};
 use serde_json::json;
@@ -31,7 +33,8 @@ use serde_json::json;
 const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
 const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
 
-const POOL: &str = "chat-v4";
+/// Both pools, one per family: the streams alternate between them.
+const POOLS: [(&str, Family); 2] = [("chat-v4", Family::V4), ("chat-v6", Family::V6)];
 const STREAMS: usize = 6;
 /// About 9 s at the simulator's 65 tokens/s: the failover comes a few seconds in.
 const TOKENS: u64 = 600;
@@ -116,7 +119,8 @@ fn probe(topology: &Topology, what: &str, avoid: &BTreeSet<String>) -> Result<()
         let mut backends = Vec::new();
         for k in 0..PROBES {
             let body = json!({"prompt": format!("probe {k} {what}"), "max_tokens": 2});
-            let reply = client::post(Family::V4.vip(), "/v1/completions", &body)
+            let family = POOLS[k % 2].1;
+            let reply = client::post(family.vip(), "/v1/completions", &body)
                 .with_context(|| format!("probe {k} {what}"))?;
             ensure!(
                 reply.status() == 200,
@@ -134,23 +138,31 @@ fn probe(topology: &Topology, what: &str, avoid: &BTreeSet<String>) -> Result<()
     Ok(())
 }
 
+/// Drains (or undrains) backend `index` in both pools on each of `agents`.
 fn drain(agents: &[&Agent], index: usize, on: bool) -> Result<()> {
-    let server = Family::V4.backend(index).to_string();
     for agent in agents {
-        agent.cli(&[if on { "drain" } else { "undrain" }, POOL, &server])?;
+        for (pool, family) in POOLS {
+            let server = family.backend(index).to_string();
+            agent.cli(&[if on { "drain" } else { "undrain" }, pool, &server])?;
+        }
     }
     Ok(())
 }
 
 fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
-    let args: Vec<Vec<String>> = (0..BACKENDS).map(|_| Vec::new()).collect();
+    // The simulators answer on their IPv6 addresses too.
+    let args: Vec<Vec<String>> = (0..BACKENDS)
+        .map(|i| {
+            let v6 = SocketAddr::new(Family::V6.backend(i), BACKEND_PORT);
+            vec!["--listen".to_owned(), v6.to_string()]
+        })
+        .collect();
     let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
     let key_file = topology.dir().join("sync.key");
     std::fs::write(&key_file, "a key both gateways share, 48 bytes of it, ok\n")?;
     let side = GATEWAY_SERVER_SIDE.map(|a| SocketAddr::new(a.into(), SYNC_PORT));
 
     let mut first_config = AgentConfig::gateway(topology, [100; BACKENDS]);
-    first_config.pools.retain(|p| p.name == POOL);
     first_config.agent.scrape_interval_ms = Some(500);
     first_config.sync = Some(SyncSection {
         listen: side[0],
@@ -179,7 +191,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         });
         let stream = topology
             .client()
-            .enter(|| Stream::open(Family::V4.vip(), "/v1/completions", &body))?;
+            .enter(|| Stream::open(POOLS[k % 2].1.vip(), "/v1/completions", &body))?;
         stream.set_timeout(Duration::from_secs(10))?;
         carrying.insert(stream.head.header("x-backend").unwrap_or("?").to_owned());
         readers.push(read_on(stream));
@@ -246,7 +258,8 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             .with_context(|| format!("stream {k}"))?;
         let after = seen.arrivals.iter().filter(|t| **t > failed).count();
         println!(
-            "stream {k} on {}: {} tokens, {} before the failover and {after} after, {:?}",
+            "stream {k} ({:?}) on {}: {} tokens, {} before the failover and {after} after, {:?}",
+            POOLS[k % 2].1,
             seen.backend,
             seen.arrivals.len(),
             seen.arrivals.len() - after,
