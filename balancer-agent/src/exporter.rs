@@ -53,33 +53,41 @@ fn gauges(
     Ok(())
 }
 
+/// A counter family with one sample per named event.
+fn events(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: &[(String, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+    for (event, value) in values {
+        let labels: Labels = vec![("event", event.clone())];
+        ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
 impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut events = encoder.encode_descriptor(
+        events(
+            &mut encoder,
             "xdp_events",
             "Packets the XDP program saw (event \"packets\"), and each verdict and pass, drop, \
              flow and hint reason, summed over CPUs.",
-            None,
-            ConstCounter::new(0u64).metric_type(),
+            &self.counters,
         )?;
-        for (name, value) in &self.counters {
-            let labels: Labels = vec![("event", name.clone())];
-            ConstCounter::new(*value).encode(events.encode_family(&labels)?)?;
-        }
         if !self.sync.is_empty() {
-            let mut sync = encoder.encode_descriptor(
+            events(
+                &mut encoder,
                 "sync_events",
                 "Flows shared with other gateways: events sent (to each peer), datagrams that \
                  could not be sent, events received and applied, events naming a VIP or server \
                  this agent does not have, datagrams refused (not from a peer, bad tag, \
-                 malformed, stale).",
-                None,
-                ConstCounter::new(0u64).metric_type(),
+                 malformed, stale, replayed), reports too old to send.",
+                &self.sync,
             )?;
-            for (name, value) in &self.sync {
-                let labels: Labels = vec![("event", name.clone())];
-                ConstCounter::new(*value).encode(sync.encode_family(&labels)?)?;
-            }
         }
         let servers = || {
             self.pools.iter().flat_map(|p| {

@@ -328,6 +328,23 @@ impl<'t> Agent<'t> {
         run(&mut self.cli_command(args))
     }
 
+    /// `balancer-agent counters`: the XDP program's counters and the agent's own, by name.
+    pub fn counters(&self) -> Result<std::collections::BTreeMap<String, u64>> {
+        let text = self.cli(&["counters", "--json"])?;
+        let pairs: Vec<(String, u64)> =
+            serde_json::from_str(&text).with_context(|| format!("counters: {text:?}"))?;
+        Ok(pairs.into_iter().collect())
+    }
+
+    /// One counter of [`Agent::counters`].
+    pub fn counter(&self, name: &str) -> Result<u64> {
+        let counters = self.counters()?;
+        counters
+            .get(name)
+            .copied()
+            .with_context(|| format!("no counter {name} in {counters:?}"))
+    }
+
     /// `balancer-agent show pool POOL --json`.
     #[cfg(feature = "agent")]
     pub fn show(&self, pool: &str) -> Result<PoolView> {

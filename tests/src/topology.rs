@@ -147,18 +147,7 @@ impl Topology {
         );
         ip(sw, "link add br0 type bridge mcast_snooping 0")?;
         for &(ns, dev, peer_ns, peer) in &veths {
-            ip(
-                ns,
-                &format!(
-                    "link add {dev} type veth peer name {peer} netns {}",
-                    peer_ns.name()
-                ),
-            )?;
-            for (ns, dev) in [(ns, dev), (peer_ns, peer)] {
-                ns.exec("ethtool", &["-K", dev, "tx", "off"])
-                    .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
-                ip(ns, &format!("link set {dev} up"))?;
-            }
+            veth(ns, dev, peer_ns, peer)?;
         }
         for port in ["s0"].into_iter().chain(ports.iter().map(String::as_str)) {
             ip(sw, &format!("link set {port} master br0"))?;
@@ -243,23 +232,8 @@ impl Topology {
         }
         gw2.sysctl("net.ipv4.ip_forward", "1")?;
         gw2.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-        for (ns, dev, peer_ns, peer) in [
-            (&self.client, "c1", &gw2, "h0"),
-            (&gw2, "h1", &self.sw, "s1"),
-        ] {
-            ip(
-                ns,
-                &format!(
-                    "link add {dev} type veth peer name {peer} netns {}",
-                    peer_ns.name()
-                ),
-            )?;
-            for (ns, dev) in [(ns, dev), (peer_ns, peer)] {
-                ns.exec("ethtool", &["-K", dev, "tx", "off"])
-                    .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
-                ip(ns, &format!("link set {dev} up"))?;
-            }
-        }
+        veth(&self.client, "c1", &gw2, "h0")?;
+        veth(&gw2, "h1", &self.sw, "s1")?;
         ip(&self.sw, "link set s1 master br0")?;
         for dev in SECOND_GATEWAY_INTERFACES {
             gw2.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
@@ -383,6 +357,23 @@ impl Drop for Topology {
 /// `ip` in `ns` with whitespace-separated arguments, which all of ours are.
 fn ip(ns: &Netns, args: &str) -> Result<String> {
     ns.ip(&args.split_whitespace().collect::<Vec<_>>())
+}
+
+/// A veth pair, `dev` in `ns` and `peer` in `peer_ns`, both up, tx checksum offload off.
+fn veth(ns: &Netns, dev: &str, peer_ns: &Netns, peer: &str) -> Result<()> {
+    ip(
+        ns,
+        &format!(
+            "link add {dev} type veth peer name {peer} netns {}",
+            peer_ns.name()
+        ),
+    )?;
+    for (ns, dev) in [(ns, dev), (peer_ns, peer)] {
+        ns.exec("ethtool", &["-K", dev, "tx", "off"])
+            .with_context(|| format!("turning tx checksum offload off on {dev}"))?;
+        ip(ns, &format!("link set {dev} up"))?;
+    }
+    Ok(())
 }
 
 fn add_addresses(ns: &Netns, dev: &str, v4: &str, v6: &str) -> Result<()> {

@@ -221,10 +221,7 @@ impl<'t> Bed<'t> {
 
     /// The XDP program's counters, by name.
     fn counters(&self) -> Result<BTreeMap<String, u64>> {
-        let text = self.agent().cli(&["counters", "--json"])?;
-        let pairs: Vec<(String, u64)> =
-            serde_json::from_str(&text).with_context(|| format!("counters: {text:?}"))?;
-        Ok(pairs.into_iter().collect())
+        self.agent().counters()
     }
 
     fn log_len(&self) -> usize {

@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
@@ -29,7 +29,7 @@ use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::netns::PinDir;
 use balancer_tests::process::run as run_cli;
-use balancer_tests::sim::client::{self, Item, Stream};
+use balancer_tests::sim::client::{self, read_on, Stream};
 use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
 use balancer_tests::{check_nothing_remains, serial};
 use serde_json::json;
@@ -66,36 +66,6 @@ fn restarts_keep_open_streams() {
     check_nothing_remains().unwrap();
 }
 
-/// What a stream saw: tokens and when each came, and how it ended.
-struct Seen {
-    backend: String,
-    arrivals: Vec<Instant>,
-    finish_reason: Option<String>,
-    done: bool,
-}
-
-/// Reads `stream` to its end on a thread of its own.
-fn read_on(mut stream: Stream) -> JoinHandle<Result<Seen>> {
-    thread::spawn(move || {
-        let mut seen = Seen {
-            backend: stream.head.header("x-backend").unwrap_or("?").to_owned(),
-            arrivals: Vec::new(),
-            finish_reason: None,
-            done: false,
-        };
-        while let Some(item) = stream.next_item()? {
-            match item {
-                Item::Chunk { data, .. } => match data["choices"][0]["finish_reason"].as_str() {
-                    None => seen.arrivals.push(Instant::now()),
-                    Some(reason) => seen.finish_reason = Some(reason.to_owned()),
-                },
-                Item::Done { .. } => seen.done = true,
-            }
-        }
-        Ok(seen)
-    })
-}
-
 /// `PROBES` short completions through the VIP, each on a new connection; every one must
 /// succeed (none may go to the dead server), and none reach the drained server. Returns the backends that answered.
 fn probe(topology: &Topology, what: &str) -> Result<Vec<String>> {
@@ -130,16 +100,6 @@ fn state(agent: &Agent, i: usize) -> Result<String> {
         .server(Family::V4.backend(i))?
         .state
         .clone())
-}
-
-fn counter(agent: &Agent, name: &str) -> Result<u64> {
-    let text = agent.cli(&["counters", "--json"])?;
-    let counters: Vec<(String, u64)> = serde_json::from_str(&text)?;
-    counters
-        .into_iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v)
-        .with_context(|| format!("no counter {name} in {text}"))
 }
 
 fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
@@ -181,7 +141,7 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         *streams_on.entry(backend).or_default() += 1;
         readers.push(read_on(stream));
     }
-    let opened = counter(&first, "flow_new_syn")?;
+    let opened = first.counter("flow_new_syn")?;
     ensure!(opened >= (PROBES + STREAMS) as u64, "flow_new_syn {opened}");
 
     // 1. A crash.
@@ -276,7 +236,7 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         state(&third, DRAINED)?,
         state(&third, DEAD)?
     );
-    let total = counter(&third, "flow_new_syn")?;
+    let total = third.counter("flow_new_syn")?;
     ensure!(
         // The probes since: after the crash, with the second agent, after the stop, after
         // the refusal, with the third.

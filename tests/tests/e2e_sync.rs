@@ -16,13 +16,13 @@
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
 use balancer_tests::backends::SimBackends;
-use balancer_tests::sim::client::{self, Item, Stream};
+use balancer_tests::sim::client::{self, read_on, Stream};
 use balancer_tests::topology::{
     backend_name, Family, Topology, BACKENDS, BACKEND_PORT, GATEWAY_SERVER_SIDE,
     SECOND_GATEWAY_INTERFACES,
@@ -58,49 +58,10 @@ fn streams_survive_a_gateway_failover() {
     check_nothing_remains().unwrap();
 }
 
-/// What a stream saw: its tokens' arrival times, and how it ended.
-struct Seen {
-    backend: String,
-    arrivals: Vec<Instant>,
-    finish_reason: Option<String>,
-    done: bool,
-}
-
-fn read_on(mut stream: Stream) -> JoinHandle<Result<Seen>> {
-    thread::spawn(move || {
-        let mut seen = Seen {
-            backend: stream.head.header("x-backend").unwrap_or("?").to_owned(),
-            arrivals: Vec::new(),
-            finish_reason: None,
-            done: false,
-        };
-        while let Some(item) = stream.next_item()? {
-            match item {
-                Item::Chunk { data, .. } => match data["choices"][0]["finish_reason"].as_str() {
-                    None => seen.arrivals.push(Instant::now()),
-                    Some(reason) => seen.finish_reason = Some(reason.to_owned()),
-                },
-                Item::Done { .. } => seen.done = true,
-            }
-        }
-        Ok(seen)
-    })
-}
-
-fn counter(agent: &Agent, name: &str) -> Result<u64> {
-    let text = agent.cli(&["counters", "--json"])?;
-    let counters: Vec<(String, u64)> = serde_json::from_str(&text)?;
-    counters
-        .into_iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v)
-        .with_context(|| format!("no counter {name} in {text}"))
-}
-
 fn wait_counter(agent: &Agent, name: &str, at_least: u64) -> Result<u64> {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let v = counter(agent, name)?;
+        let v = agent.counter(name)?;
         if v >= at_least {
             return Ok(v);
         }
@@ -236,7 +197,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     println!("after its restart the second gateway applied {applied} flows; the first: {dumped}");
 
     // A datagram from a server's address, not a peer's: refused, nothing else changes.
-    let refused = counter(&second, "sync_refused")?;
+    let refused = second.counter("sync_refused")?;
     topology.backend(0).enter(|| {
         let socket = UdpSocket::bind("0.0.0.0:0")?;
         socket.send_to(b"not a batch of flows", side[1])?;
@@ -280,7 +241,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             "stream {k} had ended before the failover: it proves nothing"
         );
     }
-    let unknown = counter(&second, "sync_unknown")?;
+    let unknown = second.counter("sync_unknown")?;
     ensure!(
         unknown == 0,
         "the second gateway did not know {unknown} flows"

@@ -572,10 +572,15 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
 
 /// The flow key of a SYN from the client's port `sport` to the multi-backend VIP.
 fn multi_key(n: &Net, sport: u16) -> balancer_common::FlowKey {
+    flow_key(n, n.vip_multi, sport)
+}
+
+/// The flow key of a connection from the client's port `sport` to `vip:8000`.
+fn flow_key(n: &Net, vip: IpAddr, sport: u16) -> balancer_common::FlowKey {
     let (src, family) = balancer_common::addr_words(n.client);
     balancer_common::FlowKey {
         src,
-        dst: balancer_common::addr_words(n.vip_multi).0,
+        dst: balancer_common::addr_words(vip).0,
         sport: sport.to_be(),
         dport: 8000u16.to_be(),
         proto: balancer_common::IPPROTO_TCP,
@@ -979,16 +984,7 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
         &out(&syn, MAC_BACKEND).bytes(),
         Counter::FlowNewSyn,
     )?;
-    let (src, family) = balancer_common::addr_words(n.client);
-    let key = balancer_common::FlowKey {
-        src,
-        dst: balancer_common::addr_words(n.vip).0,
-        sport: 40200u16.to_be(),
-        dport: 8000u16.to_be(),
-        proto: balancer_common::IPPROTO_TCP,
-        family,
-        _pad: [0; 2],
-    };
+    let key = flow_key(n, n.vip, 40200);
     let entry = h.dp.flow_table().get(&key, 0).context("the SYN's entry")?;
     ensure!(
         entry.to_backend.dmac == MAC_BACKEND && entry.to_backend.ifindex == h.g1,
@@ -1212,20 +1208,6 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
     Ok(())
 }
 
-/// The flow key of a client connection from `sport` to `n.vip:8000`.
-fn vip_key(n: &Net, sport: u16) -> balancer_common::FlowKey {
-    let (src, family) = balancer_common::addr_words(n.client);
-    balancer_common::FlowKey {
-        src,
-        dst: balancer_common::addr_words(n.vip).0,
-        sport: sport.to_be(),
-        dport: 8000u16.to_be(),
-        proto: balancer_common::IPPROTO_TCP,
-        family,
-        _pad: [0; 2],
-    }
-}
-
 /// Every event the program has put in the ring since the last call.
 fn reported(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<Event> {
     let mut events = Vec::new();
@@ -1340,7 +1322,7 @@ fn reports(
     ensure!(reported(ring).is_empty(), "{fam}: reported again at once");
     // A keepalive every third of the idle timeout (600 s: 186 epochs of 2^30 ns), checked
     // when the entry's time is refreshed (a packet a second after the last).
-    let key = vip_key(n, 40300);
+    let key = flow_key(n, n.vip, 40300);
     for (since, expect) in [(185, vec![]), (186, vec![event(Kind::Alive, 40300)])] {
         let mut e = h.dp.flow_table().get(&key, 0)?;
         ensure!((e.synced != 0) == sharing, "{fam}: synced {}", e.synced);

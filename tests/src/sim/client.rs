@@ -186,6 +186,39 @@ impl Stream {
 }
 
 /// Whether `error` is a read that timed out.
+/// What a streamed completion delivered: its tokens' arrival times, and how it ended.
+#[derive(Debug)]
+pub struct Seen {
+    /// The server that answered (`x-backend`).
+    pub backend: String,
+    pub arrivals: Vec<Instant>,
+    pub finish_reason: Option<String>,
+    /// `[DONE]` came.
+    pub done: bool,
+}
+
+/// Reads `stream` to its end on a thread of its own.
+pub fn read_on(mut stream: Stream) -> std::thread::JoinHandle<Result<Seen>> {
+    std::thread::spawn(move || {
+        let mut seen = Seen {
+            backend: stream.head.header("x-backend").unwrap_or("?").to_owned(),
+            arrivals: Vec::new(),
+            finish_reason: None,
+            done: false,
+        };
+        while let Some(item) = stream.next_item()? {
+            match item {
+                Item::Chunk { data, .. } => match data["choices"][0]["finish_reason"].as_str() {
+                    None => seen.arrivals.push(Instant::now()),
+                    Some(reason) => seen.finish_reason = Some(reason.to_owned()),
+                },
+                Item::Done { .. } => seen.done = true,
+            }
+        }
+        Ok(seen)
+    })
+}
+
 pub fn is_timeout(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         cause.downcast_ref::<io::Error>().is_some_and(|e| {
