@@ -445,15 +445,19 @@ const HELLO_AT: [Duration; 3] = [
 /// receiving agent writes into its table as they come.
 const DUMP_PER_MS: usize = 4;
 
-/// Every live shared flow in the flow table with map id `flows_id`, as keepalives: they fill
-/// the receiver's table where it has no live entry. Walks the whole table, through a handle
-/// of its own, so that the agent's lock is not held meanwhile.
-pub fn live_flows(flows_id: u32) -> Result<Vec<Event>> {
+/// Hands every live shared flow in the flow table with map id `flows_id` to `out`, as
+/// keepalives (they fill the receiver's table where it has no live entry), a millisecond's
+/// worth of datagrams at a time; stops early if `out` returns false. Walks the whole table
+/// through a handle of its own, so that the agent's lock is not held meanwhile, and keeps
+/// no more than one part in memory whatever the table's size. Returns how many it handed.
+pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Result<usize> {
     let data = MapData::from_id(flows_id).context("opening the flow table")?;
     let table: aya::maps::HashMap<MapData, FlowKey, FlowEntry> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
     let now = crate::dataplane::monotonic_ns();
-    let mut events = Vec::new();
+    let part = MAX_EVENTS * DUMP_PER_MS;
+    let mut events = Vec::with_capacity(part);
+    let mut handed = 0;
     for item in table.iter() {
         // Entries come and go while we walk.
         let Ok((k, e)) = item else { continue };
@@ -462,22 +466,36 @@ pub fn live_flows(flows_id: u32) -> Result<Vec<Event>> {
             continue;
         }
         events.extend(Event::of(Kind::Alive, &k, e.nat_addr, e.nat_port));
+        if events.len() == part {
+            handed += part;
+            if !out(std::mem::replace(&mut events, Vec::with_capacity(part))) {
+                return Ok(handed);
+            }
+        }
     }
-    Ok(events)
+    handed += events.len();
+    if !events.is_empty() {
+        out(events);
+    }
+    Ok(handed)
 }
 
-/// Sends `to` every live shared flow of the flow table `flows_id`, paced.
+/// Sends `to` every live shared flow of the flow table `flows_id`, paced: the walk runs on
+/// a blocking thread and hands its parts over a short queue.
 async fn dump(sender: Arc<Sender>, to: SocketAddr, flows_id: u32) {
-    let flows = match tokio::task::spawn_blocking(move || live_flows(flows_id)).await {
-        Ok(Ok(flows)) => flows,
-        Ok(Err(e)) => return warn!(%to, "reading the flow table for a peer: {e:#}"),
-        Err(e) => return warn!(%to, "reading the flow table for a peer: {e}"),
-    };
-    for part in flows.chunks(MAX_EVENTS * DUMP_PER_MS) {
-        sender.send(&[to], part).await;
+    let (parts, mut rx) = tokio::sync::mpsc::channel(4);
+    let walk = tokio::task::spawn_blocking(move || {
+        live_flows(flows_id, |part| parts.blocking_send(part).is_ok())
+    });
+    while let Some(part) = rx.recv().await {
+        sender.send(&[to], &part).await;
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    info!(peer = %to, flows = flows.len(), "sent our flows to a peer that started");
+    match walk.await {
+        Ok(Ok(flows)) => info!(peer = %to, flows, "sent our flows to a peer that started"),
+        Ok(Err(e)) => warn!(%to, "reading the flow table for a peer: {e:#}"),
+        Err(e) => warn!(%to, "reading the flow table for a peer: {e}"),
+    }
 }
 
 /// Receives peers' datagrams and hands their events to `apply`, which returns how many it

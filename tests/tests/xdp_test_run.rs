@@ -1268,6 +1268,7 @@ fn shared_flows_are_reported_and_followed() -> Result<()> {
                         .unwrap()
                         .table;
                     adopted(&mut h, &mut ring, n, table, &id)?;
+                    dumped(&mut h, n, &id)?;
                 }
             }
         }
@@ -1452,5 +1453,63 @@ fn reported_nothing_else(
 ) -> Result<()> {
     let rest = reported(ring);
     ensure!(rest.is_empty(), "{fam}: unexpected reports {rest:?}");
+    Ok(())
+}
+
+/// What a peer that starts is sent (`sync::live_flows`): every live shared flow in the
+/// table, in parts of 64, and none that is closed.
+fn dumped(h: &mut Harness, n: &Net, id: &dyn Fn(IpAddr) -> u32) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let server = n.multi[2];
+    let target = (
+        id(server),
+        balancer_common::addr_words(server).0,
+        8000u16.to_be(),
+    );
+    let ports = 41000..41150u16;
+    for sport in ports.clone() {
+        let key = multi_key(n, sport);
+        h.dp.adopt_flow(&key, target, 600, Kind::Open)?;
+        if sport % 10 == 0 {
+            h.dp.adopt_flow(&key, target, 600, Kind::Close)?;
+        }
+    }
+    let mut parts = Vec::new();
+    let handed = balancer_agent::sync::live_flows(h.dp.flows_id(), |part| {
+        parts.push(part);
+        true
+    })?;
+    ensure!(
+        parts.iter().map(Vec::len).sum::<usize>() == handed
+            && parts.iter().rev().skip(1).all(|p| p.len() == 64)
+            && parts.last().is_some_and(|p| p.len() <= 64),
+        "{fam}: parts of {:?}",
+        parts.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let mut ours: Vec<u16> = parts
+        .iter()
+        .flatten()
+        .filter(|e| e.vip.ip() == n.vip_multi && ports.contains(&e.client.port()))
+        .inspect(|e| assert!(e.kind == Kind::Alive && e.backend.ip() == server))
+        .map(|e| e.client.port())
+        .collect();
+    ours.sort_unstable();
+    let want: Vec<u16> = ports.filter(|p| p % 10 != 0).collect();
+    ensure!(
+        ours == want,
+        "{fam}: dumped {} of {} live flows",
+        ours.len(),
+        want.len()
+    );
+    // A receiver that stops taking parts stops the walk.
+    let mut taken = 0;
+    balancer_agent::sync::live_flows(h.dp.flows_id(), |_| {
+        taken += 1;
+        false
+    })?;
+    ensure!(
+        taken == 1,
+        "{fam}: the walk went on after {taken} refused parts"
+    );
     Ok(())
 }
