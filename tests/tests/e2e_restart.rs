@@ -276,15 +276,8 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
             seen.arrivals.len(),
             seen.finish_reason
         );
-        ensure!(
-            seen.arrivals.len() as u64 == TOKENS
-                && seen.finish_reason.as_deref() == Some("length")
-                && seen.done,
-            "stream {k} ended early: {} tokens, {:?}, [DONE] {}",
-            seen.arrivals.len(),
-            seen.finish_reason,
-            seen.done
-        );
+        seen.complete(TOKENS)
+            .with_context(|| format!("stream {k} ended early"))?;
         ensure!(
             during.iter().all(|n| *n > 0),
             "stream {k} stalled while no agent ran: {during:?} tokens"

@@ -197,6 +197,24 @@ pub struct Seen {
     pub done: bool,
 }
 
+impl Seen {
+    /// Whether it ended as a completion of `tokens` tokens does: all of them, finish reason
+    /// `length`, and `[DONE]`; else what it got instead.
+    pub fn complete(&self, tokens: u64) -> Result<()> {
+        ensure!(
+            self.arrivals.len() as u64 == tokens
+                && self.finish_reason.as_deref() == Some("length")
+                && self.done,
+            "on {}: {} tokens of {tokens}, finish reason {:?}, [DONE] {}",
+            self.backend,
+            self.arrivals.len(),
+            self.finish_reason,
+            self.done
+        );
+        Ok(())
+    }
+}
+
 /// Reads `stream` to its end on a thread of its own.
 pub fn read_on(mut stream: Stream) -> std::thread::JoinHandle<Result<Seen>> {
     std::thread::spawn(move || {
