@@ -19,10 +19,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
-    bucket_slot, hint::HintRange, Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter,
-    FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE,
-    ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
-    VIP_F_SYNC,
+    bucket_slot, hint::HintRange, sync_epoch, Backend, BackendLoad, BackendStats, Bucket,
+    BucketStats, Counter, FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey,
+    ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES,
+    MAX_BACKENDS, VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -659,14 +659,11 @@ impl Dataplane {
         kind: Kind,
     ) -> Result<bool> {
         let now = monotonic_ns();
-        let synced = ((now >> 30) as u32).max(1);
+        let synced = sync_epoch(now);
         let current = self.flows.get(key, 0).ok();
         let same =
             current.filter(|e| e.backend_id == id && e.nat_addr == addr && e.nat_port == port);
-        let live = current.filter(|e| {
-            let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
-            e.closed == 0 && now.saturating_sub(e.last_seen_ns) <= idle
-        });
+        let live = current.filter(|e| e.live_at(now));
         let adopted = FlowEntry {
             nat_addr: addr,
             nat_port: port,
@@ -751,11 +748,7 @@ impl Dataplane {
         for item in self.flows.iter() {
             // Entries come and go while we walk; one that vanished under us is not live.
             let Ok((_, e)) = item else { continue };
-            let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
-            if e.closed == 0
-                && ids.contains(&e.backend_id)
-                && now.saturating_sub(e.last_seen_ns) <= idle
-            {
+            if ids.contains(&e.backend_id) && e.live_at(now) {
                 *live.entry(e.backend_id).or_insert(0) += 1;
             }
         }

@@ -28,7 +28,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapData, RingBuf};
 use balancer_common::{
-    words_addr, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
+    sync_epoch, words_addr, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
+    FLOW_EVENT_OPEN,
 };
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -298,7 +299,8 @@ pub struct Stats {
     pub sent: AtomicU64,
     /// Datagrams that could not be sent.
     pub send_errors: AtomicU64,
-    /// Events received and written to the flow table.
+    /// Events received for a VIP and server this agent has, and taken into its flow table
+    /// (written, or found there already as the rules of `Dataplane::adopt_flow` want).
     pub applied: AtomicU64,
     /// Events received for a VIP or server this agent does not have.
     pub unknown: AtomicU64,
@@ -399,7 +401,7 @@ pub async fn send_loop(mut ring: RingBuf<MapData>, sender: Arc<Sender>) {
     let mut events = Vec::new();
     loop {
         tokio::time::sleep(DRAIN_INTERVAL).await;
-        let now = (crate::dataplane::monotonic_ns() >> 30) as u32;
+        let now = sync_epoch(crate::dataplane::monotonic_ns());
         while let Some(item) = ring.next() {
             match Event::from_ring(&item) {
                 Some((e, at)) if now.wrapping_sub(at) <= MAX_BACKLOG_EPOCHS => events.push(e),
@@ -461,8 +463,7 @@ pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Res
     for item in table.iter() {
         // Entries come and go while we walk.
         let Ok((k, e)) = item else { continue };
-        let idle = u64::from(e.idle_timeout_s) * 1_000_000_000;
-        if e.synced == 0 || e.closed != 0 || now.saturating_sub(e.last_seen_ns) > idle {
+        if e.synced == 0 || !e.live_at(now) {
             continue;
         }
         events.extend(Event::of(Kind::Alive, &k, e.nat_addr, e.nat_port));

@@ -234,6 +234,27 @@ pub struct FlowEntry {
     pub close_claim: u64,
 }
 
+impl FlowEntry {
+    /// Neither closed nor idle past its timeout at `now` (the clock of `last_seen_ns`).
+    pub fn live_at(&self, now: u64) -> bool {
+        let idle = u64::from(self.idle_timeout_s) * 1_000_000_000;
+        self.closed == 0 && now.saturating_sub(self.last_seen_ns) <= idle
+    }
+}
+
+/// `now` (ns of `bpf_ktime_get_coarse_ns`, CLOCK_MONOTONIC_COARSE) in the units of
+/// `FlowEntry::synced` and `FlowEvent::epoch`, 2^30 ns (about a second); never 0, which
+/// means "not shared".
+#[inline(always)]
+pub fn sync_epoch(now: u64) -> u32 {
+    let e = (now >> 30) as u32;
+    if e == 0 {
+        1
+    } else {
+        e
+    }
+}
+
 /// A FIB answer kept in a flow entry: a lookup costs more than the rest of an established
 /// packet's work (about 220 ns for IPv4 and 450 ns for IPv6 on the benchmark machine), and
 /// the answer for one flow's direction rarely changes. Good for the 2^30 ns "epoch" it was

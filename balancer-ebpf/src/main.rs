@@ -21,9 +21,9 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::draws, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo, VipKey,
-    ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
-    IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
+    hash::draws, sync_epoch, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo,
+    VipKey, ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
+    FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -136,7 +136,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
                     && entry.closed == 0
                     && sync::report(&pkt.key, entry, FLOW_EVENT_OPEN, now)
                 {
-                    entry.synced = sync::epoch(now);
+                    entry.synced = sync_epoch(now);
                 }
             }
             note_fin(pkt, &pkt.key, entry, now);
@@ -236,7 +236,7 @@ fn new_flow(
         backend_id: id,
         idle_timeout_s: vip.idle_timeout_s,
         synced: if vip.flags & VIP_F_SYNC != 0 {
-            sync::epoch(now)
+            sync_epoch(now)
         } else {
             0
         },

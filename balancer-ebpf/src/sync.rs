@@ -4,22 +4,12 @@
 //! ring loses it (counted), and a flow that lives on is reported again at its next keepalive.
 
 use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
-use balancer_common::{Counter, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE};
+use balancer_common::{sync_epoch, Counter, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE};
 
-use crate::maps::{count, FLOW_EVENTS};
-
-const NS_PER_S: u64 = 1_000_000_000;
-
-/// `now` in the units of `FlowEntry::synced` (2^30 ns), never 0, which means "not shared".
-#[inline(always)]
-pub fn epoch(now: u64) -> u32 {
-    let e = (now >> 30) as u32;
-    if e == 0 {
-        1
-    } else {
-        e
-    }
-}
+use crate::{
+    maps::{count, FLOW_EVENTS},
+    NS_PER_S,
+};
 
 /// Reports the flow `key` with `entry`'s backend; false when the ring had no room.
 #[inline(always)]
@@ -30,7 +20,7 @@ pub fn report(key: &FlowKey, entry: &FlowEntry, kind: u8, now: u64) -> bool {
         nat_port: entry.nat_port,
         kind,
         _pad: 0,
-        epoch: epoch(now),
+        epoch: sync_epoch(now),
     };
     let sent = FLOW_EVENTS
         .output::<FlowEvent>(&event, u64::from(BPF_RB_NO_WAKEUP))
@@ -50,7 +40,7 @@ pub fn keepalive(key: &FlowKey, entry: &mut FlowEntry, now: u64) {
     if entry.synced == 0 {
         return;
     }
-    let e = epoch(now);
+    let e = sync_epoch(now);
     let every = (u64::from(entry.idle_timeout_s) * NS_PER_S / 3) >> 30;
     let every = if every == 0 { 1 } else { every as u32 };
     if e.wrapping_sub(entry.synced) >= every && report(key, entry, FLOW_EVENT_ALIVE, now) {
