@@ -131,12 +131,6 @@ impl Topology {
 
     fn wire(&self) -> Result<()> {
         let Self { client, gw, sw, .. } = self;
-        for key in ["all", "default"] {
-            gw.sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
-        }
-        gw.sysctl("net.ipv4.ip_forward", "1")?;
-        gw.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-
         let mut veths = vec![(client, "c0", gw, "g0"), (gw, "g1", sw, "s0")];
         let ports: Vec<String> = (0..BACKENDS).map(switch_port).collect();
         veths.extend(
@@ -153,9 +147,7 @@ impl Topology {
             ip(sw, &format!("link set {port} master br0"))?;
         }
         ip(sw, "link set br0 up")?;
-        for dev in GATEWAY_INTERFACES {
-            gw.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
-        }
+        forwarding(gw, GATEWAY_INTERFACES)?;
 
         add_addresses(client, "c0", "10.9.0.2/24", "fd00:9::2/64")?;
         add_addresses(gw, "g0", "10.9.0.1/24", "fd00:9::1/64")?;
@@ -225,19 +217,14 @@ impl Topology {
     pub fn add_second_gateway(&mut self) -> Result<()> {
         let gw2 = Netns::create("gw2")?;
         for key in ["all", "default"] {
-            gw2.sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
             // The client answers from 10.9.0.2 on the link where 10.8.0.2 lives.
             self.client
                 .sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
         }
-        gw2.sysctl("net.ipv4.ip_forward", "1")?;
-        gw2.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         veth(&self.client, "c1", &gw2, "h0")?;
         veth(&gw2, "h1", &self.sw, "s1")?;
         ip(&self.sw, "link set s1 master br0")?;
-        for dev in SECOND_GATEWAY_INTERFACES {
-            gw2.sysctl(&format!("net.ipv4.conf.{dev}.rp_filter"), "0")?;
-        }
+        forwarding(&gw2, SECOND_GATEWAY_INTERFACES)?;
         add_addresses(&self.client, "c1", "10.8.0.2/24", "fd00:8::2/64")?;
         add_addresses(&gw2, "h0", "10.8.0.1/24", "fd00:8::1/64")?;
         add_addresses(&gw2, "h1", "10.4.0.2/24", "fd00:4::2/64")?;
@@ -357,6 +344,15 @@ impl Drop for Topology {
 /// `ip` in `ns` with whitespace-separated arguments, which all of ours are.
 fn ip(ns: &Netns, args: &str) -> Result<String> {
     ns.ip(&args.split_whitespace().collect::<Vec<_>>())
+}
+
+/// `ns` routes between `interfaces`, both families, without reverse-path filtering.
+fn forwarding(ns: &Netns, interfaces: [&str; 2]) -> Result<()> {
+    for key in ["all", "default"].into_iter().chain(interfaces) {
+        ns.sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
+    }
+    ns.sysctl("net.ipv4.ip_forward", "1")?;
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1")
 }
 
 /// A veth pair, `dev` in `ns` and `peer` in `peer_ns`, both up, tx checksum offload off.

@@ -10,7 +10,7 @@ use aya::programs::{TestRun, TestRunOptions, Xdp};
 use balancer_agent::{
     config::Config,
     dataplane::Dataplane,
-    plan::{Ids, VipPlan, Weights},
+    plan::{Ids, Plan, VipPlan, Weights},
     sync::{Event, Kind},
 };
 use balancer_common::{BackendStats, Counter};
@@ -206,6 +206,23 @@ struct Harness {
 }
 
 impl Harness {
+    /// The program with `config` applied and room everywhere (every SYN keeps its first
+    /// Maglev draw unless a case says otherwise), and the plan applied.
+    fn load(config: &Config) -> Result<(Self, Plan)> {
+        let mut dp = Dataplane::load(1 << 16, None)?;
+        let plan = Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
+        dp.apply(&plan)?;
+        for &(id, _) in &plan.backends {
+            dp.set_budget(id, 1_000_000)?;
+        }
+        let h = Harness {
+            dp,
+            g0: ifindex("g0")?,
+            g1: ifindex("g1")?,
+        };
+        Ok((h, plan))
+    }
+
     fn prog(&mut self) -> &mut Xdp {
         self.dp.program()
     }
@@ -289,46 +306,33 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
     let result = ns.enter(|| {
         let nets = [v4(), v6()];
         let config = config(&nets);
-        let mut dp = Dataplane::load(1 << 16, None)?;
-        let plan = Ids::default().plan(&config, &Default::default(), std::time::Instant::now())?;
-        dp.apply(&plan)?;
-        // Room everywhere: every SYN keeps its first Maglev draw unless a case says otherwise.
-        for &(id, _) in &plan.backends {
-            dp.set_budget(id, 1_000_000)?;
-        }
-        let id = |addr: IpAddr| {
-            let (w, _) = balancer_common::addr_words(addr);
-            plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
-        };
-        let mut h = Harness {
-            dp,
-            g0: ifindex("g0")?,
-            g1: ifindex("g1")?,
-        };
+        let (mut h, plan) = Harness::load(&config)?;
+        let id = |addr: IpAddr| id_in(&plan, addr);
         for n in &nets {
             forwarding(&mut h, n, id(n.backend))?;
             next_hop_is_cached_for_an_epoch(&mut h, n)?;
             passing(&mut h, n)?;
-            let table = &plan
-                .vips
-                .iter()
-                .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
-                .unwrap()
-                .table;
-            kernel_picks_what_user_space_predicts(&mut h, n, table, &id)?;
-            let vip_id = plan
-                .vips
-                .iter()
-                .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
-                .unwrap()
-                .vip_id;
-            hinted_syns_go_home_then_spill(&mut h, n, vip_id, table, &id)?;
+            let multi = multi_vip(&plan, n);
+            kernel_picks_what_user_space_predicts(&mut h, n, &multi.table, &id)?;
+            hinted_syns_go_home_then_spill(&mut h, n, multi.vip_id, &multi.table, &id)?;
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
         }
         Ok(())
     });
     drop(ns);
     result
+}
+
+/// The id `plan` gave the backend at `addr`.
+fn id_in(plan: &Plan, addr: IpAddr) -> u32 {
+    let (w, _) = balancer_common::addr_words(addr);
+    plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
+}
+
+/// The multi-backend VIP in `plan`.
+fn multi_vip<'p>(plan: &'p Plan, n: &Net) -> &'p VipPlan {
+    let (addr, _) = balancer_common::addr_words(n.vip_multi);
+    plan.vips.iter().find(|v| v.key.addr == addr).unwrap()
 }
 
 /// Connection life cycle through the VIP, both directions, and every forwarding verdict.
@@ -797,15 +801,8 @@ fn alternates_when_the_pick_has_no_room(
     id: &dyn Fn(IpAddr) -> u32,
 ) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
-    let multi = |plan: &balancer_agent::plan::Plan| {
-        plan.vips
-            .iter()
-            .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
-            .cloned()
-            .context("the multi-backend VIP")
-    };
     let plain = Ids::default().plan(config, &Weights::new(), std::time::Instant::now())?;
-    let vip = multi(&plain)?;
+    let vip = multi_vip(&plain, n).clone();
     let budgets = |h: &mut Harness, b: [i32; 4]| -> Result<()> {
         for (server, budget) in n.multi.iter().zip(b) {
             h.dp.set_budget(id(*server), budget)?;
@@ -922,7 +919,7 @@ fn alternates_when_the_pick_has_no_room(
     let saturated = n.multi[0];
     weights.insert((pool.clone(), SocketAddr::new(saturated, 8000)), 0);
     let steered = Ids::default().plan(config, &weights, std::time::Instant::now())?;
-    let svip = multi(&steered)?;
+    let svip = multi_vip(&steered, n).clone();
     ensure!(!svip.table.contains(&id(saturated)) && svip.alternates.contains(&id(saturated)));
     h.dp.apply(&steered)?;
     let (port, pick, _) = (from..from + 4000)
@@ -948,7 +945,7 @@ fn alternates_when_the_pick_has_no_room(
     weights.insert(key.clone(), 0);
     weights.exclude(key);
     let down = Ids::default().plan(config, &weights, std::time::Instant::now())?;
-    let dvip = multi(&down)?;
+    let dvip = multi_vip(&down, n).clone();
     ensure!(!dvip.table.contains(&id(saturated)) && !dvip.alternates.contains(&id(saturated)));
 
     h.dp.apply(&plain)?;
@@ -1241,32 +1238,13 @@ fn shared_flows_are_reported_and_followed() -> Result<()> {
             key_file: "/dev/null".into(),
         });
         for (config, sharing) in [(&shared, true), (&plain, false)] {
-            let mut dp = Dataplane::load(1 << 16, None)?;
-            let plan =
-                Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
-            dp.apply(&plan)?;
-            for &(id, _) in &plan.backends {
-                dp.set_budget(id, 1_000_000)?;
-            }
-            let mut ring = dp.take_flow_events().context("the ring")?;
-            let mut h = Harness {
-                dp,
-                g0: ifindex("g0")?,
-                g1: ifindex("g1")?,
-            };
-            let id = |addr: IpAddr| {
-                let (w, _) = balancer_common::addr_words(addr);
-                plan.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
-            };
+            let (mut h, plan) = Harness::load(config)?;
+            let mut ring = h.dp.take_flow_events().context("the ring")?;
+            let id = |addr: IpAddr| id_in(&plan, addr);
             for n in &nets {
                 reports(&mut h, &mut ring, n, sharing)?;
                 if sharing {
-                    let table = &plan
-                        .vips
-                        .iter()
-                        .find(|v| v.key.addr == balancer_common::addr_words(n.vip_multi).0)
-                        .unwrap()
-                        .table;
+                    let table = &multi_vip(&plan, n).table;
                     adopted(&mut h, &mut ring, n, table, &id)?;
                     dumped(&mut h, n, &id)?;
                 }
