@@ -107,6 +107,10 @@ pub struct Pool {
     pub name: String,
     pub vip: IpAddr,
     pub port: u16,
+    /// How the client's packets reach a server. Read at start only: a change would strand
+    /// the pool's open connections.
+    #[serde(default)]
+    pub forwarding: Forwarding,
     /// A connection idle for longer than this loses its backend.
     #[serde(default = "default_idle_timeout_s")]
     pub idle_timeout_s: u32,
@@ -142,6 +146,19 @@ pub struct Pool {
     pub home_load_bound: f64,
     #[serde(default)]
     pub server: Vec<Server>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Forwarding {
+    /// Translated to the server's address and port; its replies come back through the
+    /// gateway, which translates them back.
+    #[default]
+    Nat,
+    /// Direct server return: unchanged, to the server's MAC. The server is on a link of the
+    /// gateway, holds the VIP on a loopback, listens on the VIP's port and answers the client
+    /// itself.
+    Dsr,
 }
 
 impl Pool {
@@ -507,6 +524,16 @@ impl Config {
                 if s.port == 0 {
                     return Err((at("port"), "must be 1-65535".into()));
                 }
+                if p.forwarding == Forwarding::Dsr && s.port != p.port {
+                    return Err((
+                        at("port"),
+                        format!(
+                            "must be the pool's port {} with forwarding = \"dsr\": the server \
+                             receives the client's packets unchanged",
+                            p.port
+                        ),
+                    ));
+                }
                 if s.metrics_port == 0 {
                     return Err((at("metrics_port"), "must be 1-65535".into()));
                 }
@@ -827,6 +854,29 @@ metrics_port = 8001
                 "{extra}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn forwarding_is_nat_unless_dsr_and_dsr_keeps_the_port() {
+        assert_eq!(parse(GOOD).unwrap().pool[0].forwarding, Forwarding::Nat);
+        let dsr = GOOD.replacen("port = 8000\n", "port = 8000\nforwarding = \"dsr\"\n", 1);
+        assert_eq!(parse(&dsr).unwrap().pool[0].forwarding, Forwarding::Dsr);
+        let moved = dsr.replacen(
+            "address = \"10.4.0.12\"\nport = 8000",
+            "address = \"10.4.0.12\"\nport = 9000",
+            1,
+        );
+        let err = parse(&moved).unwrap_err();
+        assert!(
+            err.contains("pool[0].server[1].port") && err.contains("must be the pool's port 8000"),
+            "{err}"
+        );
+        let nat = moved.replacen("forwarding = \"dsr\"", "forwarding = \"nat\"", 1);
+        assert!(parse(&nat).is_ok());
+        let other = dsr.replacen("\"dsr\"", "\"tunnel\"", 1);
+        assert!(parse(&other)
+            .unwrap_err()
+            .contains("unknown variant `tunnel`"));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use balancer_common::{
     bucket_slot, hint::HintRange, sync_epoch, Backend, BackendLoad, BackendStats, Bucket,
     BucketStats, Counter, FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey,
     ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES,
-    MAX_BACKENDS, VIP_F_SYNC,
+    MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -344,7 +344,8 @@ impl Dataplane {
                 hint_start: hint.start,
                 hint_span: hint.span,
                 hint_buckets: hint.buckets,
-                flags: if vip.shared { VIP_F_SYNC } else { 0 },
+                flags: if vip.shared { VIP_F_SYNC } else { 0 }
+                    | if vip.dsr { VIP_F_DSR } else { 0 },
             };
             if installed != Some((vip.key, info)) {
                 self.vips

@@ -15,7 +15,7 @@ use balancer_common::{
 };
 
 use crate::{
-    config::{Config, Pool},
+    config::{Config, Forwarding, Pool},
     maglev::{build_table, MaglevBackend},
 };
 
@@ -37,6 +37,8 @@ pub struct VipPlan {
     pub hint: Option<HintRange>,
     /// Its flows are shared with other gateways (`[sync]`).
     pub shared: bool,
+    /// Direct server return: packets go to the backends unchanged and no reply comes back.
+    pub dsr: bool,
 }
 
 /// What the maps should hold.
@@ -293,6 +295,7 @@ impl Ids {
                 members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
                 hint: pool.hint_range(),
                 shared: config.sync.is_some(),
+                dsr: pool.forwarding == Forwarding::Dsr,
             });
         }
         for (key, id) in &self.backends {
@@ -366,10 +369,12 @@ fn reply_key(address: IpAddr, port: u16) -> ReplyKey {
 /// The `REPLIES` map: each backend address with the VIPs of its pools, then the VIPs of
 /// pools it left recently (still configured VIPs only). A server may be in at most
 /// `MAX_REPLY_VIPS` pools (the configuration checks it); past that, recently left pools are
-/// the ones dropped, their last flows' replies then pass to the stack untranslated.
+/// the ones dropped, their last flows' replies then pass to the stack untranslated. DSR
+/// pools have no replies here: their servers answer from the VIP, to the client directly.
 fn replies(vips: &[VipPlan], quarantine: &[Quarantined]) -> Vec<(ReplyKey, Replies)> {
     let mut by_addr: Vec<(ReplyKey, Vec<VipKey>)> = Vec::new();
-    let current = vips.iter().flat_map(|v| {
+    let translated = || vips.iter().filter(|v| !v.dsr);
+    let current = translated().flat_map(|v| {
         v.members
             .iter()
             .map(|(a, _)| (reply_key(a.ip(), a.port()), v.key))
@@ -377,7 +382,7 @@ fn replies(vips: &[VipPlan], quarantine: &[Quarantined]) -> Vec<(ReplyKey, Repli
     let recent = quarantine
         .iter()
         .filter_map(|(_, _, from)| *from)
-        .filter(|(_, vip)| vips.iter().any(|v| v.key == *vip));
+        .filter(|(_, vip)| translated().any(|v| v.key == *vip));
     for (from, vip) in current.chain(recent) {
         match by_addr.iter_mut().find(|(k, _)| *k == from) {
             Some((_, list)) if !list.contains(&vip) => list.push(vip),
@@ -559,6 +564,31 @@ mod tests {
             reply_vips(&plan, 11),
             vec![plan.vips[0].key, plan.vips[1].key]
         );
+    }
+
+    #[test]
+    fn dsr_pools_have_no_replies_to_translate() {
+        let text = "[agent]\ninterfaces=[\"eth0\"]\n\
+            [[pool]]\nname=\"nat\"\nvip=\"192.0.2.60\"\nport=8000\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
+            [[pool]]\nname=\"dsr\"\nvip=\"192.0.2.61\"\nport=8000\nforwarding=\"dsr\"\n\
+            [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.4.0.12\"\nport=8000\nmetrics_port=8001\n";
+        let c = Config::parse(Path::new("t.toml"), text).unwrap();
+        let mut ids = Ids::default();
+        let now = Instant::now();
+        let plan = ids.plan(&c, &Weights::new(), now).unwrap();
+        assert_eq!(
+            plan.vips.iter().map(|v| v.dsr).collect::<Vec<_>>(),
+            [false, true]
+        );
+        assert_eq!(reply_vips(&plan, 11), vec![plan.vips[0].key]);
+        assert!(reply_vips(&plan, 12).is_empty());
+        // Nor once a server leaves the DSR pool.
+        let left = text.replace("address=\"10.4.0.12\"", "address=\"10.4.0.13\"");
+        let c = Config::parse(Path::new("t.toml"), &left).unwrap();
+        let plan = ids.plan(&c, &Weights::new(), now).unwrap();
+        assert!(reply_vips(&plan, 12).is_empty());
     }
 
     #[test]

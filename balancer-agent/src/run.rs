@@ -21,7 +21,7 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    config::Config,
+    config::{Config, Pool},
     control::{Request, Response},
     controller::Controller,
     dataplane::Dataplane,
@@ -171,6 +171,19 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     if new.sync != c.config().sync {
         warn!("[sync] changes only when the agent restarts");
         new.sync = c.config().sync.clone();
+    }
+    for pool in &mut new.pool {
+        let same_vip = |p: &&Pool| (p.vip, p.port) == (pool.vip, pool.port);
+        if let Some(old) = c.config().pool.iter().find(same_vip) {
+            if old.forwarding != pool.forwarding {
+                warn!(
+                    "pool {}: forwarding changes only when the agent restarts (its open \
+                     connections would be cut)",
+                    pool.name
+                );
+                pool.forwarding = old.forwarding;
+            }
+        }
     }
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();

@@ -110,6 +110,12 @@ pub struct VipInfo {
 /// lives, a keepalive in `FLOW_EVENTS`.
 pub const VIP_F_SYNC: u16 = 1;
 
+/// Direct server return: the program leaves the client's packets as they are (addresses,
+/// ports, checksums) and only hands them to the backend's MAC, so the backend must be on a
+/// link of this gateway, hold the VIP on a loopback and listen on the VIP's port. It answers
+/// the client directly: its replies never come back through here.
+pub const VIP_F_DSR: u16 = 2;
+
 /// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that
 /// already hold the prefix; 0 marks an empty place.
 #[repr(C)]
@@ -204,6 +210,8 @@ pub struct FlowKey {
 
 /// Flow-table value: the client's packets get their destination rewritten to
 /// `nat_addr:nat_port` (the backend), and the backend's replies from there are this flow's.
+/// For a DSR VIP (`VIP_F_DSR`) the packets keep their destination and go to the MAC of
+/// `nat_addr`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct FlowEntry {
@@ -400,6 +408,20 @@ pub enum Counter {
     /// A flow event for other gateways (`VIP_F_SYNC`) found `FLOW_EVENTS` full (no agent
     /// draining it): those gateways will not know the flow.
     SyncLost,
+    /// A packet for a DSR VIP (`VIP_F_DSR`) whose backend the FIB reaches through a router,
+    /// not on a link of ours: sent on, the frame would come back to the VIP.
+    DropDsrRouted,
+    /// A packet for a DSR VIP whose backend's MAC is not known yet. Unlike a translated
+    /// packet it cannot go to the stack (it is still addressed to the VIP); the agent's
+    /// scrapes and health checks keep the backends' neighbour entries resolved.
+    DropDsrNoNeigh,
+    /// A packet for a DSR VIP longer than the MTU towards the backend.
+    DropDsrTooBig,
+    /// A packet for a DSR VIP for which the FIB gave no forwarding answer.
+    DropDsrFibOther,
+    /// A VLAN-tagged packet for a DSR VIP: XDP cannot transmit on a VLAN device and the
+    /// stack cannot forward a packet still addressed to the VIP.
+    DropDsrVlan,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -408,7 +430,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::SyncLost as u32 + 1;
+    pub const COUNT: u32 = Counter::DropDsrVlan as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -441,6 +463,11 @@ impl Counter {
         Counter::HintMaglev,
         Counter::MaglevSecond,
         Counter::SyncLost,
+        Counter::DropDsrRouted,
+        Counter::DropDsrNoNeigh,
+        Counter::DropDsrTooBig,
+        Counter::DropDsrFibOther,
+        Counter::DropDsrVlan,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -476,6 +503,11 @@ impl Counter {
             Counter::HintMaglev => "hint_maglev",
             Counter::MaglevSecond => "maglev_second",
             Counter::SyncLost => "sync_lost",
+            Counter::DropDsrRouted => "drop_dsr_routed",
+            Counter::DropDsrNoNeigh => "drop_dsr_no_neigh",
+            Counter::DropDsrTooBig => "drop_dsr_too_big",
+            Counter::DropDsrFibOther => "drop_dsr_fib_other",
+            Counter::DropDsrVlan => "drop_dsr_vlan",
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The XDP data path: parse, VIP lookup, flow-table lookup, Maglev selection on a miss,
-//! NAT rewrite, next hop by FIB lookup, forward. Anything that is not plainly ours passes
+//! NAT rewrite (or none, for direct server return), next hop by FIB lookup, forward. Anything that is not plainly ours passes
 //! to the stack untouched.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
@@ -23,7 +23,7 @@ use aya_ebpf::{
 use balancer_common::{
     hash::draws, sync_epoch, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo,
     VipKey, ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
-    FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_SYNC,
+    FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -114,6 +114,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     // read per packet.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let syn = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    let dsr = vip.flags & VIP_F_DSR != 0;
 
     let mut target = None;
     if let Some(entry) = FLOWS.get_ptr_mut(pkt.key) {
@@ -142,13 +143,13 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             note_fin(pkt, &pkt.key, entry, now);
             let ports = (pkt.key.sport, entry.nat_port);
             let ends = (&pkt.key.src, &entry.nat_addr);
-            let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
+            let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports, dsr);
             target = Some((entry.backend_id, entry.nat_addr, entry.nat_port, hop));
         }
     }
     let (backend_id, addr, port, hop) = match target {
         Some(t) => t,
-        None => match new_flow(ctx, pkt, vip, syn, now) {
+        None => match new_flow(ctx, pkt, vip, syn, now, dsr) {
             Ok(t) => t,
             Err(reason) => {
                 count(reason);
@@ -164,32 +165,34 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         }
     }
     count(Counter::Forward);
-    if nat::rewrite_dst(ctx, pkt, &addr, port).is_err() {
+    if !dsr && nat::rewrite_dst(ctx, pkt, &addr, port).is_err() {
         // The bounds were checked by the parser; this cannot happen, but the verifier needs
         // the check and a packet we cannot rewrite must not be forwarded half-done.
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, hop)
+    nat::send(ctx, pkt, hop, dsr)
 }
 
 /// The next hop of one direction of a flow: the answer cached in its entry while it is from
 /// this epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale
 /// answer lives a second at most: a changed route or neighbour MAC takes effect by then.
+/// Only usable answers are cached, so a DSR flow's cache holds a backend on our link.
 #[inline(always)]
 fn cached_hop(
     ctx: &XdpContext,
     pkt: &Packet,
     cache: &mut NextHop,
     now: u64,
-    (src, dst): (&[u32; 4], &[u32; 4]),
+    ends: (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
+    dsr: bool,
 ) -> Result<NextHop, Counter> {
     let epoch = (now >> 30) as u32;
     if cache.ifindex != 0 && cache.epoch == epoch && pkt.len <= cache.len {
         return Ok(*cache);
     }
-    let hop = nat::next_hop(ctx, pkt, src, dst, ports);
+    let hop = nat::next_hop(ctx, pkt, ends, ports, dsr);
     *cache = match hop {
         Ok(h) => NextHop { epoch, ..h },
         Err(_) => NextHop::default(),
@@ -206,6 +209,7 @@ fn new_flow(
     vip: &VipInfo,
     syn: bool,
     now: u64,
+    dsr: bool,
 ) -> Result<Target, Counter> {
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
@@ -247,7 +251,7 @@ fn new_flow(
     };
     let ports = (pkt.key.sport, backend.port);
     let ends = (&pkt.key.src, &backend.addr);
-    let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports);
+    let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports, dsr);
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
@@ -351,8 +355,8 @@ fn reply(
     }
     let ports = (vip.port, pkt.key.dport);
     let ends = (&vip.addr, &pkt.key.dst);
-    let hop = cached_hop(ctx, pkt, &mut entry.to_client, now, ends, ports);
-    nat::send(ctx, pkt, hop)
+    let hop = cached_hop(ctx, pkt, &mut entry.to_client, now, ends, ports, false);
+    nat::send(ctx, pkt, hop, false)
 }
 
 /// A FIN or RST from either end closes the flow, counted once however many arrive. A

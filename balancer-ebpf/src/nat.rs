@@ -6,7 +6,7 @@ use core::{ffi::c_void, mem::size_of};
 use aya_ebpf::{
     bindings::{
         bpf_fib_lookup as FibParams,
-        xdp_action::{XDP_PASS, XDP_TX},
+        xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
     },
     helpers::{bpf_fib_lookup, bpf_redirect},
@@ -105,13 +105,16 @@ pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -
 
 /// The FIB's next hop for `src -> dst`, or why there is none to use: the neighbour's MAC is
 /// not known yet (the stack resolves it, and sends the packet on), or no forwarding answer.
+/// With `dsr`, the packet still goes to the VIP, so `dst` must be the next hop itself (on a
+/// link of ours: a router would send the frame back to the VIP), and none of the reasons is
+/// one the stack could help with: they are drop reasons.
 #[inline(always)]
 pub fn next_hop(
     ctx: &XdpContext,
     pkt: &Packet,
-    src: &[u32; 4],
-    dst: &[u32; 4],
+    (src, dst): (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
+    dsr: bool,
 ) -> Result<NextHop, Counter> {
     // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
@@ -140,6 +143,19 @@ pub fn next_hop(
         )
     };
     if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && p.ifindex != 0 {
+        // On success the FIB writes the gateway of the route, if it has one, over the
+        // destination.
+        // SAFETY: plain integers, written by the kernel or by us above.
+        let (to, via) = unsafe {
+            if pkt.key.family == FAMILY_V4 {
+                ([dst[0], 0, 0, 0], [p.__bindgen_anon_4.ipv4_dst, 0, 0, 0])
+            } else {
+                (*dst, p.__bindgen_anon_4.ipv6_dst)
+            }
+        };
+        if dsr && (to[0] != via[0] || to[1] != via[1] || to[2] != via[2] || to[3] != via[3]) {
+            return Err(Counter::DropDsrRouted);
+        }
         Ok(NextHop {
             ifindex: p.ifindex,
             epoch: 0,
@@ -149,27 +165,45 @@ pub fn next_hop(
             _pad: 0,
         })
     } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        Err(Counter::PassNoNeigh)
+        Err(if dsr {
+            Counter::DropDsrNoNeigh
+        } else {
+            Counter::PassNoNeigh
+        })
     } else if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
-        Err(Counter::PassTooBig)
+        Err(if dsr {
+            Counter::DropDsrTooBig
+        } else {
+            Counter::PassTooBig
+        })
     } else {
-        Err(Counter::PassFibOther)
+        Err(if dsr {
+            Counter::DropDsrFibOther
+        } else {
+            Counter::PassFibOther
+        })
     }
 }
 
-/// Sends the rewritten packet to `hop`: out of a NIC, or through the stack when there is no
-/// next hop to use (`Err`: why) or the frame is VLAN-tagged.
+/// Sends the packet to `hop`: out of a NIC, or through the stack when there is no next hop
+/// to use (`Err`: why) or the frame is VLAN-tagged. With `dsr` the packet is still
+/// addressed to the VIP, which the stack would not send to the backend: dropped instead.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>) -> u32 {
+pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: bool) -> u32 {
+    let undeliverable = if dsr { XDP_DROP } else { XDP_PASS };
     if pkt.vlan {
-        count(Counter::PassVlan);
-        return XDP_PASS;
+        count(if dsr {
+            Counter::DropDsrVlan
+        } else {
+            Counter::PassVlan
+        });
+        return undeliverable;
     }
     let hop = match hop {
         Ok(hop) => hop,
         Err(why) => {
             count(why);
-            return XDP_PASS;
+            return undeliverable;
         }
     };
     // We are the router now, so the TTL is ours to decrement (the stack does it for the

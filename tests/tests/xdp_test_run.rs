@@ -46,6 +46,13 @@ struct Net {
     /// VIP of a pool of four backends behind g1 (no neighbour entries).
     vip_multi: IpAddr,
     multi: [IpAddr; 4],
+    /// DSR VIPs (`forwarding = "dsr"`, port 8000): to `backend`, to `backend_tx` (one
+    /// link), to `routed` (behind `backend` as a router), to `backend_nn`.
+    vip_dsr: IpAddr,
+    vip_dsr_tx: IpAddr,
+    vip_dsr_routed: IpAddr,
+    routed: IpAddr,
+    vip_dsr_nn: IpAddr,
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -65,6 +72,11 @@ fn v4() -> Net {
         other: ip("10.4.0.99"),
         vip_multi: ip("192.0.2.64"),
         multi: ["10.4.0.21", "10.4.0.22", "10.4.0.23", "10.4.0.24"].map(ip),
+        vip_dsr: ip("192.0.2.70"),
+        vip_dsr_tx: ip("192.0.2.71"),
+        vip_dsr_routed: ip("192.0.2.72"),
+        routed: ip("10.5.0.11"),
+        vip_dsr_nn: ip("192.0.2.73"),
     }
 }
 
@@ -81,6 +93,11 @@ fn v6() -> Net {
         other: ip("fd00:4::99"),
         vip_multi: ip("2001:db8::64"),
         multi: ["fd00:4::21", "fd00:4::22", "fd00:4::23", "fd00:4::24"].map(ip),
+        vip_dsr: ip("2001:db8::70"),
+        vip_dsr_tx: ip("2001:db8::71"),
+        vip_dsr_routed: ip("2001:db8::72"),
+        routed: ip("fd00:5::11"),
+        vip_dsr_nn: ip("2001:db8::73"),
     }
 }
 
@@ -96,6 +113,17 @@ fn config(nets: &[Net]) -> Config {
             text += &format!(
                 "[[pool]]\nname = \"{name}{f}\"\nvip = \"{vip}\"\nport = 8000\n\
                  [[pool.server]]\naddress = \"{backend}\"\nport = {port}\nmetrics_port = 8001\nweight = {weight}\n"
+            );
+        }
+        for (name, vip, backend) in [
+            ("dsr", n.vip_dsr, n.backend),
+            ("dsrtx", n.vip_dsr_tx, n.backend_tx),
+            ("dsrrouted", n.vip_dsr_routed, n.routed),
+            ("dsrnn", n.vip_dsr_nn, n.backend_nn),
+        ] {
+            text += &format!(
+                "[[pool]]\nname = \"{name}{f}\"\nvip = \"{vip}\"\nport = 8000\nforwarding = \"dsr\"\n\
+                 [[pool.server]]\naddress = \"{backend}\"\nport = 8000\nmetrics_port = 8001\n"
             );
         }
         text += &format!(
@@ -297,6 +325,12 @@ fn topology() -> Result<Netns> {
             ("fd00:4::11", MAC_BACKEND, "g1"),
         ],
     )
+    .and_then(|ns| {
+        // Servers behind a router (10.4.0.11), for DSR VIPs that cannot use them.
+        ns.ip(&["route", "add", "10.5.0.0/24", "via", "10.4.0.11"])?;
+        ns.ip(&["-6", "route", "add", "fd00:5::/64", "via", "fd00:4::11"])?;
+        Ok(ns)
+    })
 }
 
 #[test]
@@ -316,6 +350,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             kernel_picks_what_user_space_predicts(&mut h, n, &multi.table, &id)?;
             hinted_syns_go_home_then_spill(&mut h, n, multi.vip_id, &multi.table, &id)?;
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
+            direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
         Ok(())
     });
@@ -331,7 +366,12 @@ fn id_in(plan: &Plan, addr: IpAddr) -> u32 {
 
 /// The multi-backend VIP in `plan`.
 fn multi_vip<'p>(plan: &'p Plan, n: &Net) -> &'p VipPlan {
-    let (addr, _) = balancer_common::addr_words(n.vip_multi);
+    vip_in(plan, n.vip_multi)
+}
+
+/// The VIP `vip` in `plan`.
+fn vip_in(plan: &Plan, vip: IpAddr) -> &VipPlan {
+    let (addr, _) = balancer_common::addr_words(vip);
     plan.vips.iter().find(|v| v.key.addr == addr).unwrap()
 }
 
@@ -572,6 +612,155 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         "{fam}: VIP without backends gave verdict {v}"
     );
     Ok(())
+}
+
+/// DSR VIPs: the client's packets go to the backend's MAC as they came (TTL aside: we are a
+/// hop), its close is counted from the client's side alone, its replies are not ours to
+/// translate, and a packet that cannot reach the backend's MAC is dropped, never handed to
+/// the stack, which would route it by the VIP.
+fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let (g0, g1) = (h.g0, h.g1);
+    let syn = client_syn(n, n.vip_dsr, 41001);
+    let hop = |f: &Frame, smac, dmac| {
+        f.with(|f| {
+            f.smac = smac;
+            f.dmac = dmac;
+            f.ttl -= 1;
+        })
+    };
+    let s0 = h.stats(backend_id);
+    for (what, frame, counter) in [
+        ("SYN", syn.clone(), Counter::FlowNewSyn),
+        ("ACK", syn.with(|f| f.flags = "A"), Counter::Forward),
+        ("data", syn.with(|f| f.flags = "PA"), Counter::Redirect),
+        ("FIN", syn.with(|f| f.flags = "FA"), Counter::Forward),
+    ] {
+        h.expect(
+            &format!("{fam} DSR {what}"),
+            g0,
+            &frame.bytes(),
+            XDP_REDIRECT,
+            &hop(&frame, MAC_G1, MAC_BACKEND).bytes(),
+            counter,
+        )?;
+    }
+    let s1 = h.stats(backend_id);
+    ensure!(
+        (s1.flows_opened, s1.flows_closed) == (s0.flows_opened + 1, s0.flows_closed + 1),
+        "{fam} DSR: opened {} and closed {}, expected one each",
+        s1.flows_opened - s0.flows_opened,
+        s1.flows_closed - s0.flows_closed
+    );
+    // The server answers from the VIP, straight to the client; should an answer come through
+    // here, from the VIP or from its own address, it is not translated.
+    let reply = Frame {
+        smac: MAC_S0,
+        dmac: MAC_G1,
+        vlan: None,
+        src: n.vip_dsr,
+        dst: n.client,
+        sport: 8000,
+        dport: 41002,
+        ttl: 64,
+        flags: "SA",
+        bulk: 0,
+    };
+    let syn2 = syn.with(|f| f.sport = 41002);
+    h.expect(
+        &format!("{fam} DSR SYN 2"),
+        g0,
+        &syn2.bytes(),
+        XDP_REDIRECT,
+        &hop(&syn2, MAC_G1, MAC_BACKEND).bytes(),
+        Counter::FlowNewSyn,
+    )?;
+    for (what, frame) in [
+        ("from the VIP", reply.clone()),
+        (
+            "from the server's address",
+            reply.with(|f| f.src = n.backend),
+        ),
+    ] {
+        let bytes = frame.bytes();
+        h.expect(
+            &format!("{fam} DSR answer {what}"),
+            g1,
+            &bytes,
+            XDP_PASS,
+            &bytes,
+            Counter::PassNotOurs,
+        )?;
+    }
+
+    // One-armed: the backend is on the link the packet came from.
+    let tx = client_syn(n, n.vip_dsr_tx, 41003);
+    h.expect(
+        &format!("{fam} DSR same link"),
+        g0,
+        &tx.bytes(),
+        XDP_TX,
+        &hop(&tx, MAC_G0, MAC_SAME_LINK).bytes(),
+        Counter::Tx,
+    )?;
+
+    for (what, frame, counter) in [
+        (
+            "backend behind a router",
+            client_syn(n, n.vip_dsr_routed, 41004),
+            Counter::DropDsrRouted,
+        ),
+        (
+            "unresolved neighbour",
+            client_syn(n, n.vip_dsr_nn, 41005),
+            Counter::DropDsrNoNeigh,
+        ),
+        (
+            "VLAN",
+            syn.with(|f| {
+                f.sport = 41006;
+                f.vlan = Some(10);
+            }),
+            Counter::DropDsrVlan,
+        ),
+    ] {
+        let bytes = frame.bytes();
+        h.expect(
+            &format!("{fam} DSR {what}"),
+            g0,
+            &bytes,
+            XDP_DROP,
+            &bytes,
+            counter,
+        )?;
+    }
+
+    // Past the egress MTU: no ICMP "too big" from the stack for a packet it would route to
+    // the VIP, so dropped; the client's path-MTU discovery is the link's MTU here.
+    let mtu = |m: &str| -> Result<()> {
+        let status = std::process::Command::new("ip")
+            .args(["link", "set", "g1", "mtu", m])
+            .status()?;
+        ensure!(status.success(), "ip link set g1 mtu {m}: {status}");
+        Ok(())
+    };
+    mtu("1300")?;
+    let big = syn.with(|f| {
+        f.flags = "PA";
+        f.sport = 41007;
+        f.bulk = 1400;
+    });
+    let bytes = big.bytes();
+    let result = h.expect(
+        &format!("{fam} DSR data past the egress MTU"),
+        g0,
+        &bytes,
+        XDP_DROP,
+        &bytes,
+        Counter::DropDsrTooBig,
+    );
+    mtu("1500")?;
+    result
 }
 
 /// The flow key of a SYN from the client's port `sport` to the multi-backend VIP.
