@@ -67,6 +67,9 @@ pub struct Pool {
     pub name: String,
     pub vip: IpAddr,
     pub port: u16,
+    /// "nat" or "dsr".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forwarding: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spill_waiting: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -106,6 +109,7 @@ impl AgentConfig {
             name: name.to_owned(),
             vip: family.vip().ip(),
             port: family.vip().port(),
+            forwarding: None,
             spill_waiting: None,
             spill_ttft_ms: None,
             kv_high: None,

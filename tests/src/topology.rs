@@ -237,6 +237,32 @@ impl Topology {
         Ok(())
     }
 
+    /// Direct server return (`forwarding = "dsr"`): every backend holds both VIPs on its
+    /// loopback, answering no ARP for them, and routes the client's network over a link of
+    /// the client's own to the switch (`c2`, 10.4.0.9 / fd00:4::9, to `s2`), so that its
+    /// answers reach the client without passing the gateway. Call it before starting the
+    /// servers, which must listen on the VIPs as well.
+    pub fn direct_return(&self) -> Result<()> {
+        veth(&self.client, "c2", &self.sw, "s2")?;
+        ip(&self.sw, "link set s2 master br0")?;
+        add_addresses(&self.client, "c2", "10.4.0.9/24", "fd00:4::9/64")?;
+        // The answers arrive on c2, the VIPs are routed through c0.
+        for key in ["all", "default", "c0", "c2"] {
+            self.client
+                .sysctl(&format!("net.ipv4.conf.{key}.rp_filter"), "0")?;
+        }
+        for backend in &self.backends {
+            ip(backend, &format!("addr add {VIP4}/32 dev lo"))?;
+            ip(backend, &format!("-6 addr add {VIP6}/128 dev lo"))?;
+            backend.sysctl("net.ipv4.conf.all.arp_ignore", "1")?;
+            backend.sysctl("net.ipv4.conf.all.arp_announce", "2")?;
+            ip(backend, "route replace 10.9.0.0/24 via 10.4.0.9")?;
+            ip(backend, "-6 route replace fd00:9::/64 via fd00:4::9")?;
+        }
+        ping(&self.client, "10.4.0.11")?;
+        ping(&self.client, "fd00:4::11")
+    }
+
     /// The first gateway fails: the client's routes to the VIPs and the servers' routes to
     /// the client move to the second gateway (as ECMP would once the first is gone), and the
     /// first one's links go down.

@@ -1,0 +1,219 @@
+//! Direct server return (`forwarding = "dsr"`), end to end over namespaces with four
+//! simulators that hold the VIPs on their loopbacks and route the client's network over a
+//! link of the client's own to their switch, not through the gateway.
+//!
+//! Streams open to an IPv4 and an IPv6 VIP in turn; the operator drains, with `--wait`, the
+//! server that carries the first, in both pools. Every stream must end with all its tokens
+//! and `[DONE]`; new connections meanwhile avoid the drained server; `drain --wait` must
+//! return once its streams ended, though the gateway sees only the client's half of each
+//! connection (its FIN). No answer may pass the gateway: the client receives nothing on its
+//! link to the gateway and every token on its link to the switch, and the program translated
+//! no reply and dropped nothing.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use balancer_agent::control::PoolView;
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
+use balancer_tests::backends::SimBackends;
+use balancer_tests::netns::Netns;
+use balancer_tests::sim::client::{self, read_on, Stream};
+use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS, BACKEND_PORT};
+use balancer_tests::{check_nothing_remains, serial};
+use serde_json::{json, Value};
+
+const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
+const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
+
+const POOLS: [(&str, Family); 2] = [("chat-v4", Family::V4), ("chat-v6", Family::V6)];
+const STREAMS: usize = 8;
+/// About 3 s at the simulator's 65 tokens/s.
+const TOKENS: u64 = 200;
+const PROBES: usize = 12;
+/// What the client may receive on its link to the gateway while nothing of ours comes that
+/// way: neighbour discovery and the like.
+const STRAY_PACKETS: u64 = 20;
+
+#[test]
+fn streams_answered_directly_by_the_servers() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let mut topology = Topology::build_bare().unwrap();
+    topology.direct_return().unwrap();
+    topology.attach_xdp_pass(Path::new(XDP_PASS)).unwrap();
+    if let Err(e) = scenario(&topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+/// Packets received so far on the client's interface `dev`.
+fn rx_packets(client: &Netns, dev: &str) -> Result<u64> {
+    let json: Value = serde_json::from_str(&client.ip(&["-j", "-s", "link", "show", dev])?)?;
+    json[0]["stats64"]["rx"]["packets"]
+        .as_u64()
+        .with_context(|| format!("no rx packet count for {dev} in {json}"))
+}
+
+fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
+    // On their own IPv6 address (the IPv4 one is the default) and on both VIPs.
+    let args: Vec<Vec<String>> = (0..BACKENDS)
+        .map(|i| {
+            let mut args = Vec::new();
+            for addr in [
+                Family::V6.backend(i),
+                Family::V4.vip().ip(),
+                Family::V6.vip().ip(),
+            ] {
+                args.push("--listen".to_owned());
+                args.push(SocketAddr::new(addr, BACKEND_PORT).to_string());
+            }
+            args
+        })
+        .collect();
+    let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
+    let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
+    config.agent.scrape_interval_ms = Some(500);
+    for pool in &mut config.pools {
+        pool.forwarding = Some("dsr".to_owned());
+    }
+    let agent = Agent::start(topology, binary, &config)?;
+    for (pool, family) in POOLS {
+        let every_server_up = |view: &PoolView| {
+            Ok((0..BACKENDS).all(|i| {
+                view.server(family.backend(i))
+                    .is_ok_and(|row| row.state == "UP")
+            }))
+        };
+        let timing = (Duration::from_secs(10), Duration::from_millis(50));
+        agent.wait_show(pool, "every server UP", timing, every_server_up)?;
+    }
+    let client = topology.client();
+    let (via_gateway, via_switch) = (rx_packets(client, "c0")?, rx_packets(client, "c2")?);
+
+    let mut readers = Vec::new();
+    let mut carrying = BTreeSet::new();
+    let mut victim = String::new();
+    for k in 0..STREAMS {
+        let body = json!({
+            "prompt": format!("stream {k}, answered directly"),
+            "max_tokens": TOKENS, "stream": true, "ignore_eos": true,
+        });
+        let stream =
+            client.enter(|| Stream::open(POOLS[k % 2].1.vip(), "/v1/completions", &body))?;
+        stream.set_timeout(Duration::from_secs(10))?;
+        let backend = stream.head.header("x-backend").unwrap_or("?").to_owned();
+        if k == 0 {
+            victim = backend.clone();
+        }
+        carrying.insert(backend);
+        readers.push(read_on(stream));
+    }
+    ensure!(
+        carrying.len() > 1,
+        "every stream went to {carrying:?}: the pick is not balancing"
+    );
+    let index = (0..BACKENDS)
+        .find(|&i| backend_name(i) == victim)
+        .with_context(|| format!("{victim} is not a backend"))?;
+
+    let (drains, probes, seen) = thread::scope(|scope| {
+        let drains: Vec<_> = POOLS
+            .iter()
+            .map(|&(pool, family)| {
+                let server = family.backend(index).to_string();
+                let agent = &agent;
+                scope.spawn(move || {
+                    let said = agent.cli(&["drain", pool, &server, "--wait", "--timeout", "30"]);
+                    (said, Instant::now())
+                })
+            })
+            .collect();
+        // Both pools draining before the probes.
+        thread::sleep(Duration::from_millis(300));
+        let probes = client.enter(|| {
+            (0..PROBES)
+                .map(|k| {
+                    let body = json!({"prompt": format!("probe {k}"), "max_tokens": 2});
+                    let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
+                    ensure!(reply.status() == 200, "probe {k}: {}", reply.status());
+                    Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
+                })
+                .collect::<Result<Vec<_>>>()
+        });
+        let seen: Vec<_> = readers.into_iter().map(|r| r.join()).collect();
+        let drains: Vec<_> = drains.into_iter().map(|d| d.join()).collect();
+        (drains, probes, seen)
+    });
+
+    let mut victim_ended = None;
+    let mut tokens = 0;
+    for (k, seen) in seen.into_iter().enumerate() {
+        let seen = seen
+            .map_err(|_| anyhow::anyhow!("stream {k}: reader panicked"))?
+            .with_context(|| format!("stream {k}"))?;
+        println!(
+            "stream {k} ({:?}) on {}: {} tokens, {:?}",
+            POOLS[k % 2].1,
+            seen.backend,
+            seen.arrivals.len(),
+            seen.finish_reason
+        );
+        seen.complete(TOKENS)
+            .with_context(|| format!("stream {k} broke"))?;
+        tokens += seen.arrivals.len() as u64;
+        if seen.backend == victim {
+            victim_ended = victim_ended.max(seen.arrivals.last().copied());
+        }
+    }
+    let probes = probes?;
+    ensure!(
+        !probes.contains(&victim),
+        "a new connection reached the draining {victim}: {probes:?}"
+    );
+    let victim_ended = victim_ended.context("the first stream's server has no stream")?;
+    for (drain, (pool, _)) in drains.into_iter().zip(POOLS) {
+        let (said, at) = drain.map_err(|_| anyhow::anyhow!("drain {pool}: panicked"))?;
+        let said = said.with_context(|| format!("drain --wait in {pool}"))?;
+        println!(
+            "drain {victim} in {pool}: returned {:?} after its last stream ended: {}",
+            at.saturating_duration_since(victim_ended),
+            said.trim()
+        );
+        ensure!(said.contains("drained"), "drain in {pool} said: {said}");
+        ensure!(
+            at.saturating_duration_since(victim_ended) <= Duration::from_secs(5),
+            "drain --wait in {pool} returned {:?} after the last stream on {victim} ended",
+            at.saturating_duration_since(victim_ended)
+        );
+    }
+
+    let via_gateway = rx_packets(client, "c0")? - via_gateway;
+    let via_switch = rx_packets(client, "c2")? - via_switch;
+    let counters = agent.counters()?;
+    println!(
+        "{tokens} tokens; the client received {via_switch} packets from the switch and \
+         {via_gateway} from the gateway; gateway counters: {counters:?}"
+    );
+    ensure!(
+        via_gateway <= STRAY_PACKETS && via_switch >= tokens / 2,
+        "answers came through the gateway: {via_gateway} packets on c0, {via_switch} on c2"
+    );
+    let counter = |name: &str| counters.get(name).copied().unwrap_or(0);
+    ensure!(
+        counter("forward") > 0 && counter("return") == 0,
+        "the program translated replies: {counters:?}"
+    );
+    let drops: Vec<_> = counters
+        .iter()
+        .filter(|(name, value)| name.starts_with("drop_dsr") && **value > 0)
+        .collect();
+    ensure!(drops.is_empty(), "packets dropped: {drops:?}");
+    agent.stop()?;
+    Ok(())
+}
