@@ -18,6 +18,10 @@
 //!
 //! Each figure is the median over the rounds; the ratios compare those medians.
 //!
+//! A fourth system runs in the same rounds for context, outside the goal: ours with direct
+//! server return (`forwarding = "dsr"`). Its servers answer the client over a link of the
+//! client's own to their switch, not through the gateway, so its path is not the others'.
+//!
 //! `cargo bench -p balancer-tests --bench gateway [-- --quick]`, as root.
 
 use std::path::Path;
@@ -53,9 +57,10 @@ enum System {
     Xdp,
     Nft,
     Haproxy,
+    XdpDsr,
 }
 
-const SYSTEMS: [System; 3] = [System::Xdp, System::Nft, System::Haproxy];
+const SYSTEMS: [System; 4] = [System::Xdp, System::Nft, System::Haproxy, System::XdpDsr];
 
 impl System {
     fn label(self) -> &'static str {
@@ -63,6 +68,7 @@ impl System {
             System::Xdp => "XDP balancer (ours)",
             System::Nft => "nftables DNAT",
             System::Haproxy => "HAProxy TCP",
+            System::XdpDsr => "XDP balancer, DSR",
         }
     }
 
@@ -71,6 +77,7 @@ impl System {
             System::Xdp => "xdp",
             System::Nft => "nft",
             System::Haproxy => "haproxy",
+            System::XdpDsr => "dsr",
         }
     }
 }
@@ -126,6 +133,7 @@ fn main() -> Result<()> {
     let started = Instant::now();
     let agent = release_agent_binary()?;
     let mut topology = Topology::build_bare()?;
+    topology.direct_return()?;
     topology.attach_xdp_pass(Path::new(XDP_PASS))?;
     let servers = start_servers(&topology)?;
     let result = rounds(&topology, &agent, &plan);
@@ -136,7 +144,7 @@ fn main() -> Result<()> {
     report.write()
 }
 
-/// `bench-server` in every backend, on the API and metrics ports.
+/// `bench-server` in every backend, on the API and metrics ports, and on the VIP for DSR.
 fn start_servers(topology: &Topology) -> Result<Vec<Process>> {
     let mut servers = Vec::new();
     for i in 0..BACKENDS {
@@ -145,6 +153,7 @@ fn start_servers(topology: &Topology) -> Result<Vec<Process>> {
         for port in [BACKEND_PORT, METRICS_PORT] {
             cmd.arg("--listen").arg(format!("{address}:{port}"));
         }
+        cmd.arg("--listen").arg(Family::V4.vip().to_string());
         cmd.args(["--name", &backend_name(i)]);
         let log = topology
             .dir()
@@ -197,28 +206,23 @@ fn with_system<T>(
         .map(|i| std::net::SocketAddr::new(Family::V4.backend(i), BACKEND_PORT))
         .collect();
     match system {
-        System::Xdp => {
+        System::Xdp | System::XdpDsr => {
+            let dsr = system == System::XdpDsr;
             let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
             config.pools.retain(|p| p.name == "chat-v4");
-            let running = Agent::start(topology, agent, &config)?;
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                let pool = running.show("chat-v4")?;
-                if pool
-                    .servers
-                    .iter()
-                    .all(|s| s.state == "UP" && s.weight > 0 && s.metrics_age_ms.is_some())
-                {
-                    break;
-                }
-                ensure!(
-                    Instant::now() < deadline,
-                    "the agent did not see every server UP: {pool:?}"
-                );
-                std::thread::sleep(Duration::from_millis(50));
+            if dsr {
+                config.pools[0].forwarding = Some("dsr".into());
             }
-            let out = f(None);
-            running.stop()?;
+            topology.route_answers(dsr)?;
+            let running = Agent::start(topology, agent, &config);
+            let out = running.and_then(|running| {
+                await_every_server_up(&running)?;
+                let out = f(None);
+                running.stop()?;
+                out
+            });
+            // The other systems' answers go back through the gateway.
+            topology.route_answers(false)?;
             out
         }
         System::Nft => {
@@ -236,6 +240,26 @@ fn with_system<T>(
             )?;
             f(Some(haproxy.pid()))
         }
+    }
+}
+
+/// Waits until the agent has every server UP, weighted and scraped.
+fn await_every_server_up(agent: &Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let pool = agent.show("chat-v4")?;
+        if pool
+            .servers
+            .iter()
+            .all(|s| s.state == "UP" && s.weight > 0 && s.metrics_age_ms.is_some())
+        {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the agent did not see every server UP: {pool:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -395,8 +419,11 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
          system) and GRO off (veth's default). The same gateway namespace runs, in turn: **ours** (the agent's XDP program \
          on both gateway interfaces, native mode), **nftables** DNAT in prerouting \
          (`numgen random mod 4`, conntrack reverses it), **HAProxy** {} in TCP mode, \
-         `balance roundrobin`, VIP on the gateway's `lo`, default threads. {} round(s), \
-         order rotating; each figure is the median of the rounds. `loadgen` (tokio) runs in \
+         `balance roundrobin`, VIP on the gateway's `lo`, default threads; and, for context \
+         outside the goal, **ours with direct server return** (`forwarding = \"dsr\"`: the \
+         backends hold the VIP and answer the client over a link of the client's own to \
+         their switch, so the gateway forwards only the client's packets; not the same path \
+         as the others'). {} round(s), order rotating; each figure is the median of the rounds. `loadgen` (tokio) runs in \
          the client namespace; every request is a fresh connection (`GET /`, a few bytes \
          back, the server closes first).\n\n",
         haproxy_version(),
@@ -420,8 +447,8 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
         plan.streams,
         plan.bulk_phase.as_secs_f64(),
     );
-    md += "| figure | ours (XDP) | nftables | HAProxy | ours vs nftables | ours vs HAProxy | goal: ahead of both |\n\
-           |---|---:|---:|---:|---:|---:|---|\n";
+    md += "| figure | ours (XDP) | nftables | HAProxy | ours vs nftables | ours vs HAProxy | goal: ahead of both | ours, DSR (context) |\n\
+           |---|---:|---:|---:|---:|---:|---|---:|\n";
     let med = |s: usize, get: fn(&Sample) -> Option<f64>| {
         median(&samples[s].iter().map(get).collect::<Vec<_>>())
     };
@@ -446,13 +473,14 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
         };
         verdicts.push(format!("{}: {verdict}", f.key));
         md += &format!(
-            "| {} | {} | {} | {} | {}x | {}x | {verdict} |\n",
+            "| {} | {} | {} | {} | {}x | {}x | {verdict} | {} |\n",
             f.label,
             fmt(values[0], f.decimals),
             fmt(values[1], f.decimals),
             fmt(values[2], f.decimals),
             fmt(vs_nft, 2),
             fmt(vs_hap, 2),
+            fmt(values[3], f.decimals),
         );
         for (s, v) in SYSTEMS.iter().zip(&values) {
             out.figures.insert(format!("{}.{}", s.key(), f.key), *v);
@@ -462,35 +490,37 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
         out.figures
             .insert(format!("ratio_vs_haproxy.{}", f.key), vs_hap);
         out.summary.push(format!(
-            "gateway  {:<44} ours {:>9}  nft {:>9}  haproxy {:>9}  ({}x, {}x) {verdict}",
+            "gateway  {:<44} ours {:>9}  nft {:>9}  haproxy {:>9}  ({}x, {}x) {verdict}  dsr {}",
             f.key,
             fmt(values[0], f.decimals),
             fmt(values[1], f.decimals),
             fmt(values[2], f.decimals),
             fmt(vs_nft, 2),
-            fmt(vs_hap, 2)
+            fmt(vs_hap, 2),
+            fmt(values[3], f.decimals)
         ));
     }
     let machine: Vec<Option<f64>> = (0..SYSTEMS.len())
         .map(|s| med(s, |x| x.machine_cpu_ms_per_1k))
         .collect();
     md += &format!(
-        "| (context) whole-machine busy CPU per 1000 connections (ms): client, gateway, backends | {} | {} | {} | | | |\n",
+        "| (context) whole-machine busy CPU per 1000 connections (ms): client, gateway, backends | {} | {} | {} | | | | {} |\n",
         fmt(machine[0], 1),
         fmt(machine[1], 1),
-        fmt(machine[2], 1)
+        fmt(machine[2], 1),
+        fmt(machine[3], 1)
     );
     let errors: Vec<u64> = samples
         .iter()
         .map(|s| s.iter().map(|x| x.errors).sum())
         .collect();
     md += &format!(
-        "| failed requests, all phases and rounds | {} | {} | {} | | | |\n\n",
-        errors[0], errors[1], errors[2]
+        "| failed requests, all phases and rounds | {} | {} | {} | | | | {} |\n\n",
+        errors[0], errors[1], errors[2], errors[3]
     );
     md += "Ratios are \"x ahead\": above 1 ours is better (more connections or bytes, less \
            latency or CPU), below 1 ours is behind.\n\n";
-    md += "Per round (connections/s, p99 ms, Gbit/s, gateway CPU ms/1k):\n\n| round | ours | nftables | HAProxy |\n|---|---|---|---|\n";
+    md += "Per round (connections/s, p99 ms, Gbit/s, gateway CPU ms/1k):\n\n| round | ours | nftables | HAProxy | ours, DSR |\n|---|---|---|---|---|\n";
     for r in 0..plan.rounds {
         let cell = |s: usize| {
             samples[s].get(r).map_or("-".into(), |x| {
@@ -503,7 +533,14 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
                 )
             })
         };
-        md += &format!("| {} | {} | {} | {} |\n", r + 1, cell(0), cell(1), cell(2));
+        md += &format!(
+            "| {} | {} | {} | {} | {} |\n",
+            r + 1,
+            cell(0),
+            cell(1),
+            cell(2),
+            cell(3)
+        );
     }
     md.push('\n');
     out.markdown = md;

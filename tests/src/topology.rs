@@ -238,10 +238,10 @@ impl Topology {
     }
 
     /// Direct server return (`forwarding = "dsr"`): every backend holds both VIPs on its
-    /// loopback, answering no ARP for them, and routes the client's network over a link of
-    /// the client's own to the switch (`c2`, 10.4.0.9 / fd00:4::9, to `s2`), so that its
-    /// answers reach the client without passing the gateway. Call it before starting the
-    /// servers, which must listen on the VIPs as well.
+    /// loopback, answering no ARP for them, and the client gets a link of its own to the
+    /// switch (`c2`, 10.4.0.9 / fd00:4::9, to `s2`), over which [`Topology::route_answers`]
+    /// can send the backends' answers so that they do not pass the gateway. Call it before
+    /// starting the servers, which must listen on the VIPs as well.
     pub fn direct_return(&self) -> Result<()> {
         veth(&self.client, "c2", &self.sw, "s2")?;
         ip(&self.sw, "link set s2 master br0")?;
@@ -256,11 +256,24 @@ impl Topology {
             ip(backend, &format!("-6 addr add {VIP6}/128 dev lo"))?;
             backend.sysctl("net.ipv4.conf.all.arp_ignore", "1")?;
             backend.sysctl("net.ipv4.conf.all.arp_announce", "2")?;
-            ip(backend, "route replace 10.9.0.0/24 via 10.4.0.9")?;
-            ip(backend, "-6 route replace fd00:9::/64 via fd00:4::9")?;
         }
         ping(&self.client, "10.4.0.11")?;
         ping(&self.client, "fd00:4::11")
+    }
+
+    /// The backends' route to the client's network: over the client's own link to the switch
+    /// (`direct`, after [`Topology::direct_return`]), or through the gateway, as built.
+    pub fn route_answers(&self, direct: bool) -> Result<()> {
+        let (v4, v6) = if direct {
+            ("10.4.0.9", "fd00:4::9")
+        } else {
+            ("10.4.0.1", "fd00:4::1")
+        };
+        for backend in &self.backends {
+            ip(backend, &format!("route replace 10.9.0.0/24 via {v4}"))?;
+            ip(backend, &format!("-6 route replace fd00:9::/64 via {v6}"))?;
+        }
+        Ok(())
     }
 
     /// The first gateway fails: the client's routes to the VIPs and the servers' routes to

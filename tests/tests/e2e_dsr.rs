@@ -44,6 +44,7 @@ fn streams_answered_directly_by_the_servers() {
     let agent = agent_binary().unwrap();
     let mut topology = Topology::build_bare().unwrap();
     topology.direct_return().unwrap();
+    topology.route_answers(true).unwrap();
     topology.attach_xdp_pass(Path::new(XDP_PASS)).unwrap();
     if let Err(e) = scenario(&topology, &agent) {
         panic!("{e:?}");
