@@ -64,6 +64,8 @@ struct Net {
     other: IpAddr,
     /// A VIP of the same backend whose flows are shared with other gateways (`[sync]`).
     vip_shared: IpAddr,
+    /// A VIP of the same backend with direct server return (`forwarding = "dsr"`).
+    vip_dsr: IpAddr,
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -175,6 +177,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             backend: ip("10.4.0.11"),
             other: ip("10.4.0.99"),
             vip_shared: ip("192.0.2.61"),
+            vip_dsr: ip("192.0.2.62"),
         },
         Net {
             client: ip("fd00:9::2"),
@@ -182,14 +185,19 @@ fn measure(plan: &Plan) -> Result<Measured> {
             backend: ip("fd00:4::11"),
             other: ip("fd00:4::99"),
             vip_shared: ip("2001:db8::61"),
+            vip_dsr: ip("2001:db8::62"),
         },
     ];
     let mut text =
         String::from("[agent]\ninterfaces = [\"g0\", \"g1\"]\nflow_table_entries = 4194304\n");
     for (i, n) in nets.iter().enumerate() {
-        for (name, vip) in [("p", n.vip), ("shared", n.vip_shared)] {
+        for (name, vip, forwarding) in [
+            ("p", n.vip, "nat"),
+            ("shared", n.vip_shared, "nat"),
+            ("dsr", n.vip_dsr, "dsr"),
+        ] {
             text += &format!(
-                "[[pool]]\nname = \"{name}{i}\"\nvip = \"{vip}\"\nport = 8000\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+                "[[pool]]\nname = \"{name}{i}\"\nvip = \"{vip}\"\nport = 8000\nforwarding = \"{forwarding}\"\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
                 n.backend
             );
         }
@@ -281,7 +289,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             )),
             IpAddr::V6(_) => ip(&format!("fd00:{}::{:x}", 20 + salt, i)),
         };
-        let mut sums = [0.0f64; 12];
+        let mut sums = [0.0f64; 15];
         let hint = HintRange::DEFAULT;
         let flow = |i: u32| (client(i, 0), 40000 + (i % 20000) as u16);
         // In chunks of flows, each packet kind in a pass over the chunk: a flow's entry has
@@ -312,6 +320,11 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const SHARED_SYN: usize = 9;
         const SHARED_FIRST: usize = 10;
         const SHARED_REPLY: usize = 11;
+        // A SYN to the DSR VIP, its first packet after it (not a figure: as WARM_FORWARD,
+        // it looks the next hop up again) and a later one. Their clients are others again.
+        const DSR_SYN: usize = 12;
+        const DSR_WARM: usize = 13;
+        const DSR_ESTABLISHED: usize = 14;
         let ours: &Xdp = dp.program();
         let floor_prog: &Xdp = pass;
         let packet = |figure: usize, i: u32| {
@@ -341,6 +354,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
                     frame(client(i, 1), n.vip_shared, sport, 8000, false),
                     XDP_REDIRECT,
                 ),
+                DSR_SYN => (
+                    ours,
+                    g0,
+                    frame(client(i, 2), n.vip_dsr, sport, 8000, true),
+                    XDP_REDIRECT,
+                ),
+                DSR_WARM | DSR_ESTABLISHED => (
+                    ours,
+                    g0,
+                    frame(client(i, 2), n.vip_dsr, sport, 8000, false),
+                    XDP_REDIRECT,
+                ),
                 HINTED => {
                     let hport = hint.start + (i % u32::from(hint.span)) as u16;
                     let f = frame(client(i, 1), n.vip, hport, 8000, true);
@@ -357,9 +382,15 @@ fn measure(plan: &Plan) -> Result<Measured> {
         };
         // Over a chunk of flows, pass after pass: the flows' first packets, then each way.
         let passes: [&[usize]; 4] = [
-            &[FLOOR, NOT_OURS, SYN, HINTED, SHARED_SYN],
-            &[FIRST_REPLY, WARM_FORWARD, SHARED_REPLY, SHARED_FIRST],
-            &[ESTABLISHED, BURST],
+            &[FLOOR, NOT_OURS, SYN, HINTED, SHARED_SYN, DSR_SYN],
+            &[
+                FIRST_REPLY,
+                WARM_FORWARD,
+                SHARED_REPLY,
+                SHARED_FIRST,
+                DSR_WARM,
+            ],
+            &[ESTABLISHED, BURST, DSR_ESTABLISHED],
             &[REPLY],
         ];
         let chunk = plan.packets.min(CHUNK);
@@ -385,7 +416,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             );
             start = flows.end;
         }
-        let [floor, not_ours, maglev, established, reply, hinted, first_reply, first, burst, shared_syn, shared_first, _] =
+        let [floor, not_ours, maglev, established, reply, hinted, first_reply, first, burst, shared_syn, shared_first, _, dsr_syn, _, dsr_established] =
             sums.map(|s| s / k);
         let goal = |ratio: f64, max: f64| {
             format!("<= {max}x: {}", if ratio <= max { "met" } else { "MISSED" })
@@ -452,6 +483,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
             "burst",
             "established, next packet of a burst",
             burst,
+            String::new(),
+        );
+        row(
+            "dsr_syn",
+            "new SYN through Maglev, direct server return",
+            dsr_syn,
+            String::new(),
+        );
+        row(
+            "dsr_established",
+            "established flow, forward, direct server return",
+            dsr_established,
             String::new(),
         );
         row(
