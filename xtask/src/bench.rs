@@ -33,7 +33,7 @@ const BENCHES: [(&str, &str, &str); 4] = [
     (
         "gateway",
         "gateway",
-        "gateway throughput: ours, nftables, HAProxy",
+        "gateway throughput: ours, nftables, HAProxy (and ours with DSR)",
     ),
     ("routing", "routing", "routing quality on four simulators"),
     ("agent_cost", "agent-cost", "agent cost with 256 servers"),
@@ -257,7 +257,9 @@ fn header(
          run and the floor is mostly the kernel's per-run timer (compare it with the floor at \
          `repeat` = 1000000 in section 1). What an established packet adds is mostly cache \
          misses on a cold entry of a large table (the next packet of a burst, its entry in \
-         cache, shows the rest); a SYN adds an LRU insert and a FIB lookup.\n\
+         cache, shows the rest); a SYN adds an LRU insert and a FIB lookup. The direct \
+         server return rows change no address, port or checksum and cost about what the NAT \
+         rows cost: the rewrite is not where the time goes.\n\
          - bulk throughput, where it is missed: the three systems are within a few percent and \
          change places from round to round (per-round table in section 2). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
@@ -266,7 +268,9 @@ fn header(
          much as the gateway. A profile of one bulk phase of each (`perf record -a -e \
          cpu-clock`) found both CPUs about 20% idle with ours and with nftables (not with \
          HAProxy), and the XDP program at 1.6% of the samples: the gateway's CPU is not what \
-         limits these streams.\n\
+         limits these streams. With direct server return (the context column: its answers go \
+         around the gateway, so not the same path) the same streams run at about twice the \
+         rate.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
