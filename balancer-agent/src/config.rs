@@ -46,7 +46,22 @@ pub struct FlowSync {
     /// A file holding the key all the gateways share (at least 32 bytes; surrounding
     /// whitespace is ignored): every datagram is authenticated with it.
     pub key_file: PathBuf,
+    /// Files of keys also accepted from peers, while a new key is rolled out (the key
+    /// files are read again at every reload).
+    #[serde(default)]
+    pub accept_key_files: Vec<PathBuf>,
 }
+
+impl FlowSync {
+    /// The same socket and peers: what a reload can keep running with (the keys change at
+    /// a reload, the rest at a restart).
+    pub fn same_peering(&self, other: &FlowSync) -> bool {
+        self.listen == other.listen && self.peers == other.peers
+    }
+}
+
+/// Keys accepted besides `key_file`: one rollout at a time needs one; a few leave room.
+pub const MAX_ACCEPTED_KEYS: usize = 4;
 
 /// More peers than this is a configuration mistake: every flow is sent to each.
 pub const MAX_SYNC_PEERS: usize = 32;
@@ -313,6 +328,20 @@ fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
     }
     if sync.key_file.as_os_str().is_empty() {
         return Err(("sync.key_file".into(), "must not be empty".into()));
+    }
+    if sync.accept_key_files.len() > MAX_ACCEPTED_KEYS {
+        return Err((
+            "sync.accept_key_files".into(),
+            format!("at most {MAX_ACCEPTED_KEYS} files"),
+        ));
+    }
+    for file in &sync.accept_key_files {
+        if file.as_os_str().is_empty() || *file == sync.key_file {
+            return Err((
+                "sync.accept_key_files".into(),
+                format!("{file:?} is empty or the key_file itself"),
+            ));
+        }
     }
     Ok(())
 }
@@ -763,6 +792,18 @@ metrics_port = 8001
             vec!["10.0.0.2:7471".parse::<SocketAddr>().unwrap()]
         );
         assert_eq!(parse(GOOD).unwrap().sync, None);
+        assert!(s.accept_key_files.is_empty());
+        let rolling = text.replacen(
+            "key_file = \"/etc/balancer/sync.key\"",
+            "key_file = \"/etc/balancer/sync.key\"\naccept_key_files = [\"/etc/balancer/new.key\"]",
+            1,
+        );
+        let r = parse(&rolling).unwrap().sync.unwrap();
+        assert_eq!(
+            r.accept_key_files,
+            vec![PathBuf::from("/etc/balancer/new.key")]
+        );
+        assert!(r.same_peering(&s) && r != s);
         for (from, to, problem) in [
             (
                 "peers = [\"10.0.0.2:7471\"]",
@@ -801,6 +842,16 @@ metrics_port = 8001
                 "key_file = \"/etc/balancer/sync.key\"",
                 "",
                 "missing field `key_file`",
+            ),
+            (
+                "key_file = \"/etc/balancer/sync.key\"",
+                "key_file = \"/etc/balancer/sync.key\"\naccept_key_files = [\"/etc/balancer/sync.key\"]",
+                "sync.accept_key_files",
+            ),
+            (
+                "key_file = \"/etc/balancer/sync.key\"",
+                "key_file = \"/etc/balancer/sync.key\"\naccept_key_files = [\"a\", \"b\", \"c\", \"d\", \"e\"]",
+                "at most 4 files",
             ),
         ] {
             let bad = text.replacen(from, to, 1);

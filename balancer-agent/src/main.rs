@@ -179,7 +179,7 @@ fn execute(command: Command) -> Result<()> {
             let c = Config::load(&config)?;
             if let Some(s) = &c.sync {
                 // What `run` would fail on, without starting.
-                balancer_agent::sync::Key::load(&s.key_file)?;
+                balancer_agent::sync::Keys::load(s)?;
             }
             println!("{}: ok", config.display());
             if let Some(s) = &c.sync {

@@ -59,10 +59,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let sharing = match &config.sync {
         Some(s) => {
-            let key = sync::Key::load(&s.key_file)?;
+            let keys = sync::Keys::load(s)?;
             let socket = bind_sync_socket(s.listen)
                 .with_context(|| format!("sync.listen: binding {}", s.listen))?;
-            Some((Arc::new(socket), key, s.peers.clone()))
+            Some((Arc::new(socket), keys, s.peers.clone()))
         }
         None => None,
     };
@@ -103,7 +103,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     if let Some(listener) = metrics {
         tasks.push(tokio::spawn(export(listener, ctl.clone())));
     }
-    if let Some((socket, key, peers)) = sharing {
+    let mut sharing_with = None;
+    if let Some((socket, keys, peers)) = sharing {
         let stats = Arc::new(sync::Stats::default());
         let (ring, flows_id) = {
             let mut c = lock(&ctl);
@@ -111,7 +112,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
             let dp = c.dataplane();
             (dp.take_flow_events(), dp.flows_id())
         };
-        let sender = Arc::new(sync::Sender::new(socket, peers.clone(), key, stats));
+        let sender = Arc::new(sync::Sender::new(socket, peers.clone(), keys, stats));
+        sharing_with = Some(sender.clone());
         if let Some(ring) = ring {
             tasks.push(tokio::spawn(sync::send_loop(ring, sender.clone())));
         }
@@ -129,7 +131,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     loop {
         tokio::select! {
-            _ = hup.recv() => match reload(config_path, &ctl) {
+            _ = hup.recv() => match reload(config_path, &ctl, sharing_with.as_deref()) {
                 Ok(pools) => info!(pools, "config reloaded"),
                 Err(e) => error!("reload failed, keeping the running configuration: {e:#}"),
             },
@@ -146,8 +148,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Applies a new configuration to new flows; established flows keep their backends.
-fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
+/// Applies a new configuration to new flows; established flows keep their backends. With
+/// `[sync]` (`sender`), the key files are read again.
+fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<usize> {
     let new = Config::load(path)?;
     for name in &new.agent.interfaces {
         // Checked before anything is applied, so that a typo changes nothing.
@@ -168,20 +171,35 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
         warn!("agent.pin_dir changes only when the agent restarts");
     }
     let mut new = new;
-    if new.sync != c.config().sync {
-        warn!("[sync] changes only when the agent restarts");
-        new.sync = c.config().sync.clone();
-    }
-    for pool in &mut new.pool {
+    // The keys change now (a rollout goes through reloads); the socket and the peers, or
+    // sharing at all, at a restart.
+    let keys = match (&mut new.sync, &c.config().sync, sender) {
+        (Some(next), Some(running), Some(sender)) => {
+            if !next.same_peering(running) {
+                warn!("sync.listen and sync.peers change only when the agent restarts");
+                next.listen = running.listen;
+                next.peers = running.peers.clone();
+            }
+            Some((sender, sync::Keys::load(next)?))
+        }
+        (next, running, _) => {
+            if *next != *running {
+                warn!("[sync] starts or stops only when the agent restarts");
+                *next = running.clone();
+            }
+            None
+        }
+    };
+    for pool in &new.pool {
         let same_vip = |p: &&Pool| (p.vip, p.port) == (pool.vip, pool.port);
         if let Some(old) = c.config().pool.iter().find(same_vip) {
+            // Refused whole, not kept as it was: the file's servers may fit only the new mode.
             if old.forwarding != pool.forwarding {
-                warn!(
-                    "pool {}: forwarding changes only when the agent restarts (its open \
-                     connections would be cut)",
+                bail!(
+                    "pool {}: forwarding changes only when the agent restarts (it would cut \
+                     the pool's open connections)",
                     pool.name
                 );
-                pool.forwarding = old.forwarding;
             }
         }
     }
@@ -189,6 +207,9 @@ fn reload(path: &Path, ctl: &Shared) -> Result<usize> {
     let interfaces = new.agent.interfaces.clone();
     c.reconfigure(new)?;
     c.dataplane().attach(&interfaces)?;
+    if let Some((sender, keys)) = keys {
+        sender.set_keys(keys);
+    }
     Ok(pools)
 }
 

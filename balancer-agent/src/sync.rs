@@ -20,7 +20,7 @@ use std::{
     path::Path,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc,
+        Arc, PoisonError, RwLock,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -36,6 +36,8 @@ use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 use tokio::net::UdpSocket;
 use tracing::{debug, info, warn};
+
+use crate::config::FlowSync;
 
 /// The format of the datagrams; a receiver refuses any other.
 pub const VERSION: u8 = 1;
@@ -150,24 +152,58 @@ impl Key {
         Ok(Key(bytes.to_vec()))
     }
 
-    /// The file's contents without surrounding whitespace.
-    pub fn load(path: &Path) -> Result<Key> {
-        let text = std::fs::read(path)
-            .with_context(|| format!("sync.key_file: reading {}", path.display()))?;
+    /// The file's contents without surrounding whitespace; `key` names the configuration
+    /// key it came from, for the messages.
+    fn load(key: &str, path: &Path) -> Result<Key> {
+        let text =
+            std::fs::read(path).with_context(|| format!("{key}: reading {}", path.display()))?;
         let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode());
         if mode & 0o044 != 0 {
             warn!(
-                "sync.key_file {} is readable by others (mode {:o}): whoever reads it can \
-                 steer the gateways' flows",
+                "{key} {} is readable by others (mode {:o}): whoever reads it can steer the \
+                 gateways' flows",
                 path.display(),
                 mode & 0o777
             );
         }
-        Key::new(text.trim_ascii()).with_context(|| format!("sync.key_file {}", path.display()))
+        Key::new(text.trim_ascii()).with_context(|| format!("{key} {}", path.display()))
     }
 
     fn mac(&self) -> Hmac<Sha256> {
         Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+    }
+}
+
+/// The key this agent seals its datagrams with, and the keys it also opens them with while
+/// a new key is rolled out: `[sync]`'s `key_file` and `accept_key_files`.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    pub seal: Key,
+    pub accept: Vec<Key>,
+}
+
+impl Keys {
+    /// Reads every key file of `sync`.
+    pub fn load(sync: &FlowSync) -> Result<Keys> {
+        Ok(Keys {
+            seal: Key::load("sync.key_file", &sync.key_file)?,
+            accept: sync
+                .accept_key_files
+                .iter()
+                .map(|path| Key::load("sync.accept_key_files", path))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// [`open`] with the sealing key, else with each accepted one.
+    pub fn open(&self, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
+        for key in std::iter::once(&self.seal).chain(&self.accept) {
+            match open(key, datagram, now_ms) {
+                Err(Refused::Tag) => continue,
+                opened => return opened,
+            }
+        }
+        Err(Refused::Tag)
     }
 }
 
@@ -332,7 +368,8 @@ pub struct Sender {
     pub id: u64,
     pub socket: Arc<UdpSocket>,
     pub peers: Vec<SocketAddr>,
-    pub key: Key,
+    /// Replaced whole at a reload.
+    keys: RwLock<Arc<Keys>>,
     pub stats: Arc<Stats>,
     seq: AtomicU64,
     /// In a run of send failures, which is warned about once.
@@ -343,18 +380,30 @@ impl Sender {
     pub fn new(
         socket: Arc<UdpSocket>,
         peers: Vec<SocketAddr>,
-        key: Key,
+        keys: Keys,
         stats: Arc<Stats>,
     ) -> Self {
         Sender {
             id: sender_id(),
             socket,
             peers,
-            key,
+            keys: RwLock::new(Arc::new(keys)),
             stats,
             seq: AtomicU64::new(0),
             failing: AtomicBool::new(false),
         }
+    }
+
+    pub fn keys(&self) -> Arc<Keys> {
+        self.keys
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// From the next datagram on, sent or received.
+    pub fn set_keys(&self, keys: Keys) {
+        *self.keys.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(keys);
     }
 
     /// Sends `events` to each of `to`, in datagrams of at most [`MAX_EVENTS`].
@@ -377,7 +426,7 @@ impl Sender {
             hello,
             events: events.to_vec(),
         };
-        let datagram = seal(&self.key, &batch);
+        let datagram = seal(&self.keys().seal, &batch);
         for peer in to {
             match self.socket.send_to(&datagram, peer).await {
                 Ok(_) => {
@@ -528,11 +577,14 @@ pub async fn receive_loop(
             debug!(%from, "refused a datagram: not from a peer");
             continue;
         }
-        let opened = open(&sender.key, &buf[..len], unix_ms()).and_then(|batch| {
-            replays
-                .check(&batch, std::time::Instant::now())
-                .map(|()| batch)
-        });
+        let opened = sender
+            .keys()
+            .open(&buf[..len], unix_ms())
+            .and_then(|batch| {
+                replays
+                    .check(&batch, std::time::Instant::now())
+                    .map(|()| batch)
+            });
         match opened {
             Ok(batch) => {
                 let (applied, unknown) = apply(&batch.events);
@@ -693,13 +745,56 @@ mod tests {
         assert!(Key::new(&[7; 31]).is_err());
         let dir = std::env::temp_dir().join(format!("balancer-sync-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("key");
+        let (path, other) = (dir.join("key"), dir.join("other"));
         std::fs::write(&path, format!("  {}\n", "k".repeat(32))).unwrap();
-        assert!(Key::load(&path).is_ok());
+        std::fs::write(&other, "o".repeat(40)).unwrap();
+        let mut sync = FlowSync {
+            listen: "10.0.0.1:7471".parse().unwrap(),
+            peers: vec!["10.0.0.2:7471".parse().unwrap()],
+            key_file: path.clone(),
+            accept_key_files: vec![other.clone()],
+        };
+        let keys = Keys::load(&sync).unwrap();
+        assert_eq!(keys.accept.len(), 1);
+        std::fs::write(&other, "short\n").unwrap();
+        let e = format!("{:#}", Keys::load(&sync).unwrap_err());
+        assert!(
+            e.contains("sync.accept_key_files") && e.contains("5 bytes"),
+            "{e}"
+        );
+        sync.accept_key_files.clear();
         std::fs::write(&path, "short\n").unwrap();
-        let e = format!("{:#}", Key::load(&path).unwrap_err());
+        let e = format!("{:#}", Keys::load(&sync).unwrap_err());
         assert!(e.contains("sync.key_file") && e.contains("5 bytes"), "{e}");
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A rollout: a datagram sealed with the new key opens where it is accepted, and only
+    /// there; what else is wrong with it is still found.
+    #[test]
+    fn accepted_keys_open_what_the_sealing_key_does_not() {
+        let (old, new) = (key(1), key(2));
+        let rolling = Keys {
+            seal: old.clone(),
+            accept: vec![key(3), new.clone()],
+        };
+        let plain = Keys {
+            seal: old.clone(),
+            accept: Vec::new(),
+        };
+        let sent = batch(1, 1_000_000, 2);
+        let by_new = seal(&new, &sent);
+        assert_eq!(rolling.open(&by_new, 1_000_000), Ok(batch(1, 1_000_000, 2)));
+        assert_eq!(plain.open(&by_new, 1_000_000), Err(Refused::Tag));
+        assert_eq!(plain.open(&seal(&old, &sent), 1_000_000), Ok(sent));
+        assert_eq!(
+            rolling.open(&by_new, 1_000_000 + 30_001),
+            Err(Refused::Stale(30_001))
+        );
+        assert_eq!(
+            rolling.open(&seal(&key(4), &batch(1, 5, 1)), 5),
+            Err(Refused::Tag)
+        );
     }
 
     #[test]

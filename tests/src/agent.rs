@@ -59,6 +59,8 @@ pub struct SyncSection {
     pub listen: SocketAddr,
     pub peers: Vec<SocketAddr>,
     pub key_file: PathBuf,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub accept_key_files: Vec<PathBuf>,
 }
 
 /// `[[pool]]`; as in [`AgentSection`], `None` keys are left to the agent's defaults.

@@ -10,8 +10,10 @@
 //! them, every stream must end with all its tokens and `[DONE]` and receive tokens after the
 //! failover, while new connections through the second gateway avoid the drained servers.
 //! Before the failover, the second gateway's agent restarts with an empty flow table: it
-//! learns the streams by asking the first for its flows. A datagram from an address that is
-//! not a peer changes nothing and is counted.
+//! learns the streams by asking the first for its flows. Meanwhile the gateways roll a new
+//! key out, by reloads on the first and the restart of the second: each accepts the other's
+//! datagrams at every step. A datagram from an address that is not a peer changes nothing
+//! and is counted.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
@@ -121,6 +123,11 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
     let key_file = topology.dir().join("sync.key");
     std::fs::write(&key_file, "a key both gateways share, 48 bytes of it, ok\n")?;
+    let new_key_file = topology.dir().join("sync-new.key");
+    std::fs::write(
+        &new_key_file,
+        "the key that replaces it, 48 bytes of it too\n",
+    )?;
     let side = GATEWAY_SERVER_SIDE.map(|a| SocketAddr::new(a.into(), SYNC_PORT));
 
     let mut first_config = AgentConfig::gateway(topology, [100; BACKENDS]);
@@ -129,6 +136,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         listen: side[0],
         peers: vec![side[1]],
         key_file: key_file.clone(),
+        accept_key_files: Vec::new(),
     });
     let mut second_config = first_config.clone();
     second_config.agent.interfaces = SECOND_GATEWAY_INTERFACES.map(String::from).to_vec();
@@ -136,7 +144,8 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     second_config.sync = Some(SyncSection {
         listen: side[1],
         peers: vec![side[0]],
-        key_file,
+        key_file: key_file.clone(),
+        accept_key_files: Vec::new(),
     });
     let first = Agent::start(topology, binary, &first_config)?;
     let second = Agent::start_in(topology, topology.gw2()?, "agent2", binary, &second_config)?;
@@ -174,9 +183,20 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     println!("streams on {carrying:?}; the first gateway sent {sent} events, the second applied {applied}");
 
     // The second gateway restarts with an empty flow table (no pins: a reboot, as far as
-    // its maps go) after the streams were reported: it asks the first for its flows.
+    // its maps go) after the streams were reported: it asks the first for its flows. A new
+    // key rolls out meanwhile: the first accepts it (a reload), the second restarts sealing
+    // with it and accepting the old one, which the first still seals its flows with.
     second.stop()?;
     let mut first = first;
+    let set_keys = |config: &mut AgentConfig, seal: &Path, accept: &[&Path]| {
+        if let Some(sync) = &mut config.sync {
+            sync.key_file = seal.to_owned();
+            sync.accept_key_files = accept.iter().map(|p| p.to_path_buf()).collect();
+        }
+    };
+    set_keys(&mut first_config, &key_file, &[&new_key_file]);
+    first.reload(&first_config)?;
+    set_keys(&mut second_config, &new_key_file, &[&key_file]);
     let mark = first.log_len();
     let second = Agent::start_in(
         topology,
@@ -195,6 +215,20 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     })?;
     let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
     println!("after its restart the second gateway applied {applied} flows; the first: {dumped}");
+    // The rollout's last step on the first gateway: it seals with the new key only.
+    set_keys(&mut first_config, &new_key_file, &[]);
+    first.reload(&first_config)?;
+    probe(topology, "after the new key", &carrying)?;
+    let applied = wait_counter(&second, "sync_applied", applied + PROBES as u64)?;
+    let refused = [
+        first.counter("sync_refused")?,
+        second.counter("sync_refused")?,
+    ];
+    println!("with the new key the second gateway applied {applied} flows; refused: {refused:?}");
+    ensure!(
+        refused == [0, 0],
+        "datagrams refused during the key rollout: {refused:?}"
+    );
 
     // A datagram from a server's address, not a peer's: refused, nothing else changes.
     let refused = second.counter("sync_refused")?;
