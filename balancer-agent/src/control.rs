@@ -108,15 +108,18 @@ pub struct BucketRow {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrainStatus {
     pub draining: bool,
-    /// Running requests in the first scrape taken after the drain began.
+    /// Running requests in the last scrape, if it was taken after the drain began.
     pub running: Option<f64>,
+    /// Waiting requests in that scrape (absent from an older agent's answer).
+    #[serde(default)]
+    pub waiting: Option<f64>,
     /// Connections of ours still open on the server.
     pub flows: u64,
 }
 
 impl DrainStatus {
     pub fn finished(&self) -> bool {
-        self.running == Some(0.0) && self.flows == 0
+        self.running == Some(0.0) && self.waiting.unwrap_or(0.0) == 0.0 && self.flows == 0
     }
 }
 

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use crate::{
     affinity::{self, Load, Member, PoolAffinity},
-    config::{Config, Pool},
+    config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
     dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
@@ -32,6 +32,12 @@ pub type ServerKey = (String, SocketAddr);
 
 /// Metrics older than this many scrape intervals are stale.
 const STALE_INTERVALS: u32 = 3;
+
+/// For `drain --wait` on a DSR pool, a connection whose client sent nothing for this long
+/// is no longer open on the server: a stream's client acknowledges its tokens as they come,
+/// and servers close idle kept-alive connections sooner (uvicorn, under vLLM and SGLang,
+/// after 5 s).
+pub const DSR_QUIET: Duration = Duration::from_secs(10);
 
 struct Server {
     id: u32,
@@ -760,21 +766,27 @@ impl Controller {
     pub fn drain_status(&self, pool: &str, server: &str) -> Result<DrainStatus> {
         let key = self.find(pool, server)?;
         let s = &self.servers[&key];
+        // With direct server return the gateway never sees the server close a connection
+        // (a kept-alive one it times out, say), so one whose client has been quiet that long
+        // counts as closed; a request it waits on shows in the server's own counts.
+        let dsr = self
+            .config
+            .pool
+            .iter()
+            .any(|p| p.name == key.0 && p.forwarding == Forwarding::Dsr);
         let live = self
             .dp
-            .live_flows(&HashSet::from([s.id]))
+            .live_flows(&HashSet::from([s.id]), dsr.then_some(DSR_QUIET))
             .context("counting open flows")?;
         let scraped_since = match (s.drain_started, s.reading_at) {
             (Some(start), Some(at)) => at >= start,
             _ => false,
         };
+        let reading = s.reading.as_ref().filter(|_| scraped_since);
         Ok(DrainStatus {
             draining: s.draining,
-            running: s
-                .reading
-                .as_ref()
-                .filter(|_| scraped_since)
-                .map(|r| r.running),
+            running: reading.map(|r| r.running),
+            waiting: reading.map(|r| r.waiting),
             flows: live.get(&s.id).copied().unwrap_or(0),
         })
     }

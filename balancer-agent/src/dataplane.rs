@@ -6,6 +6,7 @@ use std::{
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
     sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -741,15 +742,23 @@ impl Dataplane {
     }
 
     /// Connections still open on each of `ids`: entries with no FIN or RST seen and not idle
-    /// past their timeout. Walks the whole flow table, so it is for occasional
-    /// questions (has a drained server's last stream ended?), not for every tick.
-    pub fn live_flows(&self, ids: &HashSet<u32>) -> Result<HashMap<u32, u64>> {
+    /// past their timeout, nor, with `quiet`, for longer than that. Walks the whole flow
+    /// table, so it is for occasional questions (has a drained server's last stream
+    /// ended?), not for every tick.
+    pub fn live_flows(
+        &self,
+        ids: &HashSet<u32>,
+        quiet: Option<Duration>,
+    ) -> Result<HashMap<u32, u64>> {
         let now = monotonic_ns();
+        let heard = |e: &FlowEntry| {
+            quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
+        };
         let mut live = HashMap::new();
         for item in self.flows.iter() {
             // Entries come and go while we walk; one that vanished under us is not live.
             let Ok((_, e)) = item else { continue };
-            if ids.contains(&e.backend_id) && e.live_at(now) {
+            if ids.contains(&e.backend_id) && e.live_at(now) && heard(&e) {
                 *live.entry(e.backend_id).or_insert(0) += 1;
             }
         }

@@ -339,8 +339,8 @@ fn hint_range(
     }
 }
 
-/// Polls until the server reports nothing running (in a scrape taken after the drain began)
-/// and no connection of ours is left on it.
+/// Polls until the server reports nothing running or waiting (in a scrape taken after the
+/// drain began) and no connection of ours is left on it.
 fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     let request = Request::DrainStatus { pool, server };
@@ -356,9 +356,11 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             println!("drained: nothing running, no connection left");
             return Ok(());
         }
+        let count = |n: Option<f64>| n.map_or("?".into(), |n| format!("{n:.0}"));
         let line = format!(
-            "waiting: {} running, {} connections open",
-            status.running.map_or("?".into(), |r| format!("{r:.0}")),
+            "waiting: {} running, {} waiting, {} connections open",
+            count(status.running),
+            count(status.waiting),
             status.flows
         );
         if last.as_ref() != Some(&line) {

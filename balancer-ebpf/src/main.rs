@@ -252,6 +252,14 @@ fn new_flow(
     let ports = (pkt.key.sport, backend.port);
     let ends = (&pkt.key.src, &backend.addr);
     let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports, dsr);
+    if dsr {
+        // Not delivered, so not a flow: nothing recorded, nothing counted as opened, and the
+        // client's next try is placed anew.
+        if pkt.vlan {
+            return Err(Counter::DropDsrVlan);
+        }
+        hop?;
+    }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }

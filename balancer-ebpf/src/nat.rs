@@ -142,9 +142,11 @@ pub fn next_hop(
             0,
         )
     };
-    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && p.ifindex != 0 {
-        // On success the FIB writes the gateway of the route, if it has one, over the
-        // destination.
+    // Once it has a route, the FIB writes the route's gateway, if it has one, over the
+    // destination (and an IPv6 gateway of an IPv4 route over the family), before it looks
+    // for the neighbour.
+    let resolved = rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
+    if dsr && (resolved || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH)) {
         // SAFETY: plain integers, written by the kernel or by us above.
         let (to, via) = unsafe {
             if pkt.key.family == FAMILY_V4 {
@@ -153,9 +155,21 @@ pub fn next_hop(
                 (*dst, p.__bindgen_anon_4.ipv6_dst)
             }
         };
-        if dsr && (to[0] != via[0] || to[1] != via[1] || to[2] != via[2] || to[3] != via[3]) {
+        let family = if pkt.key.family == FAMILY_V4 {
+            AF_INET
+        } else {
+            AF_INET6
+        };
+        if p.family != family
+            || to[0] != via[0]
+            || to[1] != via[1]
+            || to[2] != via[2]
+            || to[3] != via[3]
+        {
             return Err(Counter::DropDsrRouted);
         }
+    }
+    if resolved && p.ifindex != 0 {
         Ok(NextHop {
             ifindex: p.ifindex,
             epoch: 0,

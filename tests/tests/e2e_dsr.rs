@@ -8,7 +8,7 @@
 //! return once its streams ended, though the gateway sees only the client's half of each
 //! connection (its FIN). No answer may pass the gateway: the client receives nothing on its
 //! link to the gateway and every token on its link to the switch, and the program translated
-//! no reply and dropped nothing.
+//! no reply and dropped nothing. A reload that would switch the pools to NAT is refused.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -83,7 +83,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     for pool in &mut config.pools {
         pool.forwarding = Some("dsr".to_owned());
     }
-    let agent = Agent::start(topology, binary, &config)?;
+    let mut agent = Agent::start(topology, binary, &config)?;
     for (pool, family) in POOLS {
         let every_server_up = |view: &PoolView| {
             Ok((0..BACKENDS).all(|i| {
@@ -215,6 +215,18 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         .filter(|(name, value)| name.starts_with("drop_dsr") && **value > 0)
         .collect();
     ensure!(drops.is_empty(), "packets dropped: {drops:?}");
+
+    // A reload may not switch the pools back to NAT under their connections.
+    let mut nat = config.clone();
+    for pool in &mut nat.pools {
+        pool.forwarding = None;
+    }
+    let said = agent.reload_text(&nat.to_toml()?)?;
+    ensure!(
+        said.contains("reload failed")
+            && said.contains("forwarding changes only when the agent restarts"),
+        "a reload to NAT said: {said}"
+    );
     agent.stop()?;
     Ok(())
 }

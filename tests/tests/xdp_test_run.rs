@@ -704,6 +704,8 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         Counter::Tx,
     )?;
 
+    // Undeliverable: dropped, and no flow recorded or counted, so that the client's next
+    // SYN is placed anew (and its retransmission dropped the same way).
     for (what, frame, counter) in [
         (
             "backend behind a router",
@@ -725,15 +727,49 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         ),
     ] {
         let bytes = frame.bytes();
-        h.expect(
-            &format!("{fam} DSR {what}"),
-            g0,
-            &bytes,
-            XDP_DROP,
-            &bytes,
-            counter,
-        )?;
+        let opened = h.counter(Counter::FlowNewSyn);
+        for attempt in ["", " again"] {
+            h.expect(
+                &format!("{fam} DSR {what}{attempt}"),
+                g0,
+                &bytes,
+                XDP_DROP,
+                &bytes,
+                counter,
+            )?;
+        }
+        let key = flow_key(n, frame.dst, frame.sport);
+        ensure!(
+            h.dp.flow_table().get(&key, 0).is_err() && h.counter(Counter::FlowNewSyn) == opened,
+            "{fam} DSR {what}: a flow was recorded for a packet that was dropped"
+        );
     }
+
+    // `drain --wait` on a DSR pool: a flow whose client is quiet for DSR_QUIET is over (the
+    // server's close is never seen); in NAT mode only its idle timeout ends it.
+    let ids = std::collections::HashSet::from([backend_id]);
+    let dsr_quiet = balancer_agent::controller::DSR_QUIET;
+    let quiet = Some(dsr_quiet);
+    let live = |h: &Harness, quiet| -> Result<u64> {
+        Ok(h.dp
+            .live_flows(&ids, quiet)?
+            .get(&backend_id)
+            .copied()
+            .unwrap_or(0))
+    };
+    ensure!(
+        live(h, quiet)? == 1 && live(h, None)? == 1,
+        "{fam} DSR: the open flow (SYN 2) is not live"
+    );
+    let key = flow_key(n, n.vip_dsr, 41002);
+    let mut entry = h.dp.flow_table().get(&key, 0)?;
+    entry.last_seen_ns -= dsr_quiet.as_nanos() as u64 + 2_000_000_000;
+    h.dp.flow_table().insert(key, entry, 0)?;
+    ensure!(
+        live(h, quiet)? == 0 && live(h, None)? == 1,
+        "{fam} DSR: a flow quiet for longer than DSR_QUIET still counts, or an idle one \
+         does not count without it"
+    );
 
     // Past the egress MTU: no ICMP "too big" from the stack for a packet it would route to
     // the VIP, so dropped; the client's path-MTU discovery is the link's MTU here.
@@ -1425,6 +1461,7 @@ fn shared_flows_are_reported_and_followed() -> Result<()> {
             listen: "10.4.0.1:7471".parse()?,
             peers: vec!["10.4.0.2:7471".parse()?],
             key_file: "/dev/null".into(),
+            accept_key_files: Vec::new(),
         });
         for (config, sharing) in [(&shared, true), (&plain, false)] {
             let (mut h, plan) = Harness::load(config)?;
