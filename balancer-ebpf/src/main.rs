@@ -1,6 +1,6 @@
 //! The XDP data path: parse, VIP lookup, flow-table lookup, Maglev selection on a miss,
-//! NAT rewrite (or none, for direct server return), next hop by FIB lookup, forward. Anything that is not plainly ours passes
-//! to the stack untouched.
+//! NAT rewrite (or none, for direct server return), next hop by FIB lookup, forward.
+//! Anything that is not plainly ours passes to the stack untouched.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 // For `atomic_xadd`: see `room::note_open`. The BPF object is always built with nightly.
