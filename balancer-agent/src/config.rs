@@ -163,7 +163,7 @@ pub struct Pool {
     pub server: Vec<Server>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Forwarding {
     /// Translated to the server's address and port; its replies come back through the

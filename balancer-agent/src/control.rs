@@ -12,6 +12,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::config::Forwarding;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum Request {
@@ -58,6 +60,9 @@ pub enum Response {
 pub struct PoolView {
     pub pool: String,
     pub vip: String,
+    /// Absent from an older agent's answer, which knew only NAT.
+    #[serde(default)]
+    pub forwarding: Forwarding,
     pub servers: Vec<ServerRow>,
 }
 
@@ -170,7 +175,16 @@ pub fn render(view: &PoolView) -> String {
             format!("{:.1}", s.new_per_s),
         ]);
     }
-    format!("pool {} (VIP {})\n{}", view.pool, view.vip, columns(&rows))
+    let mode = match view.forwarding {
+        Forwarding::Nat => "",
+        Forwarding::Dsr => ", direct server return",
+    };
+    format!(
+        "pool {} (VIP {}{mode})\n{}",
+        view.pool,
+        view.vip,
+        columns(&rows)
+    )
 }
 
 /// The buckets in use: `bucket hinted home warm`, and where balancing moved a home, the
@@ -244,15 +258,23 @@ mod tests {
 
     #[test]
     fn table_starts_with_the_operators_columns_and_dashes_what_is_missing() {
-        let view = PoolView {
+        let mut view = PoolView {
             pool: "chat-pool".into(),
             vip: "192.0.2.60:8000".into(),
+            forwarding: Forwarding::Nat,
             servers: vec![
                 row("10.4.0.11:8000", Some(0.61), Some(240.0), "UP"),
                 row("10.4.0.14:8000", None, None, "DRAINING"),
             ],
         };
         let text = render(&view);
+        assert!(
+            text.starts_with("pool chat-pool (VIP 192.0.2.60:8000)\n"),
+            "{text}"
+        );
+        view.forwarding = Forwarding::Dsr;
+        assert!(render(&view)
+            .starts_with("pool chat-pool (VIP 192.0.2.60:8000, direct server return)\n"));
         let mut lines = text.lines().skip(1);
         let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         assert_eq!(

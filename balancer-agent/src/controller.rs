@@ -836,6 +836,7 @@ impl Controller {
         Ok(PoolView {
             pool: p.name.clone(),
             vip: SocketAddr::new(p.vip, p.port).to_string(),
+            forwarding: p.forwarding,
             servers,
         })
     }

@@ -199,6 +199,7 @@ mod tests {
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
                 vip: "192.0.2.60:8000".into(),
+                forwarding: Default::default(),
                 servers: vec![
                     row("10.4.0.11:8000", "UP", Some(3.0)),
                     row("10.4.0.12:8000", "DRAINING", None),

@@ -6,7 +6,7 @@ use std::{
 
 use anyhow::{bail, Result};
 use balancer_agent::{
-    config::{Config, DEFAULT_CONTROL_SOCKET},
+    config::{Config, Forwarding, DEFAULT_CONTROL_SOCKET},
     control::{call, render, render_buckets, Request, Response},
 };
 use clap::{Parser, Subcommand};
@@ -185,19 +185,27 @@ fn execute(command: Command) -> Result<()> {
             if let Some(s) = &c.sync {
                 let peers: Vec<String> = s.peers.iter().map(ToString::to_string).collect();
                 println!(
-                    "sync: flows shared from {} with {}, key in {}",
+                    "sync: flows shared from {} with {}, key in {}{}",
                     s.listen,
                     peers.join(", "),
-                    s.key_file.display()
+                    s.key_file.display(),
+                    match s.accept_key_files.len() {
+                        0 => String::new(),
+                        n => format!(", {n} more accepted"),
+                    }
                 );
             }
             for p in &c.pool {
                 println!(
-                    "pool {} {}:{} ({} servers)",
+                    "pool {} {}:{} ({} servers{})",
                     p.name,
                     p.vip,
                     p.port,
-                    p.server.len()
+                    p.server.len(),
+                    match p.forwarding {
+                        Forwarding::Nat => "",
+                        Forwarding::Dsr => ", direct server return",
+                    }
                 );
                 for s in &p.server {
                     println!("  {}:{} weight {}", s.address, s.port, s.weight);

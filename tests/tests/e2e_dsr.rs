@@ -17,6 +17,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use balancer_agent::config::Forwarding;
 use balancer_agent::control::PoolView;
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::SimBackends;
@@ -92,7 +93,12 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             }))
         };
         let timing = (Duration::from_secs(10), Duration::from_millis(50));
-        agent.wait_show(pool, "every server UP", timing, every_server_up)?;
+        let (view, _) = agent.wait_show(pool, "every server UP", timing, every_server_up)?;
+        ensure!(
+            view.forwarding == Forwarding::Dsr,
+            "show says {pool} forwards by {:?}",
+            view.forwarding
+        );
     }
     let client = topology.client();
     let (via_gateway, via_switch) = (rx_packets(client, "c0")?, rx_packets(client, "c2")?);
