@@ -286,6 +286,18 @@ impl Harness {
         self.dp.backend_stats(id).unwrap()
     }
 
+    /// [`Harness::expect`] for a frame the program must leave as it is.
+    fn expect_untouched(
+        &mut self,
+        what: &str,
+        ingress: u32,
+        frame: &[u8],
+        verdict: u32,
+        counter: Counter,
+    ) -> Result<()> {
+        self.expect(what, ingress, frame, verdict, frame, counter)
+    }
+
     /// Runs `frame` and checks the verdict, the output bytes, and that `counter` moved by one.
     fn expect(
         &mut self,
@@ -461,13 +473,11 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
             reply.with(|f| f.sport = 8001),
         ),
     ] {
-        let bytes = stray.bytes();
-        h.expect(
+        h.expect_untouched(
             &format!("{fam} backend packet {what}"),
             g1,
-            &bytes,
+            &stray.bytes(),
             XDP_PASS,
-            &bytes,
             Counter::PassNotOurs,
         )?;
     }
@@ -682,13 +692,11 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
             reply.with(|f| f.src = n.backend),
         ),
     ] {
-        let bytes = frame.bytes();
-        h.expect(
+        h.expect_untouched(
             &format!("{fam} DSR answer {what}"),
             g1,
-            &bytes,
+            &frame.bytes(),
             XDP_PASS,
-            &bytes,
             Counter::PassNotOurs,
         )?;
     }
@@ -729,14 +737,8 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         let bytes = frame.bytes();
         let opened = h.counter(Counter::FlowNewSyn);
         for attempt in ["", " again"] {
-            h.expect(
-                &format!("{fam} DSR {what}{attempt}"),
-                g0,
-                &bytes,
-                XDP_DROP,
-                &bytes,
-                counter,
-            )?;
+            let what = format!("{fam} DSR {what}{attempt}");
+            h.expect_untouched(&what, g0, &bytes, XDP_DROP, counter)?;
         }
         let key = flow_key(n, frame.dst, frame.sport);
         ensure!(
@@ -773,6 +775,25 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
 
     // Past the egress MTU: no ICMP "too big" from the stack for a packet it would route to
     // the VIP, so dropped; the client's path-MTU discovery is the link's MTU here.
+    let big = syn.with(|f| {
+        f.flags = "PA";
+        f.sport = 41007;
+        f.bulk = 1400;
+    });
+    with_small_mtu_on_g1(|| {
+        h.expect_untouched(
+            &format!("{fam} DSR data past the egress MTU"),
+            g0,
+            &big.bytes(),
+            XDP_DROP,
+            Counter::DropDsrTooBig,
+        )
+    })
+}
+
+/// Runs `f` with g1's MTU at 1300 (IPv6 needs at least 1280 on a link), then puts 1500 back
+/// whatever `f` returned.
+fn with_small_mtu_on_g1(f: impl FnOnce() -> Result<()>) -> Result<()> {
     let mtu = |m: &str| -> Result<()> {
         let status = std::process::Command::new("ip")
             .args(["link", "set", "g1", "mtu", m])
@@ -781,20 +802,7 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         Ok(())
     };
     mtu("1300")?;
-    let big = syn.with(|f| {
-        f.flags = "PA";
-        f.sport = 41007;
-        f.bulk = 1400;
-    });
-    let bytes = big.bytes();
-    let result = h.expect(
-        &format!("{fam} DSR data past the egress MTU"),
-        g0,
-        &bytes,
-        XDP_DROP,
-        &bytes,
-        Counter::DropDsrTooBig,
-    );
+    let result = f();
     mtu("1500")?;
     result
 }
@@ -1255,40 +1263,29 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
     );
     // A packet longer than any the cached answer was checked for is looked up again: past
     // the egress MTU it goes to the stack, rewritten, for the ICMP "too big"; a small one
-    // after it takes the fast path again. (1300: IPv6 needs at least 1280 on the link.)
-    let mtu = |m: &str| -> Result<()> {
-        let status = std::process::Command::new("ip")
-            .args(["link", "set", "g1", "mtu", m])
-            .status()?;
-        ensure!(status.success(), "ip link set g1 mtu {m}: {status}");
-        Ok(())
-    };
-    mtu("1300")?;
+    // after it takes the fast path again.
     let big = ack.with(|f| {
         f.flags = "PA";
         f.bulk = 1400;
     });
-    let result = h
-        .expect(
+    with_small_mtu_on_g1(|| {
+        h.expect(
             &format!("{fam} data past the egress MTU"),
             h.g0,
             &big.bytes(),
             XDP_PASS,
             &big.with(|f| f.dst = n.backend).bytes(),
             Counter::PassTooBig,
+        )?;
+        h.expect(
+            &format!("{fam} small data after it"),
+            h.g0,
+            &ack.bytes(),
+            XDP_REDIRECT,
+            &out(&ack, MAC_BACKEND).bytes(),
+            Counter::Redirect,
         )
-        .and_then(|()| {
-            h.expect(
-                &format!("{fam} small data after it"),
-                h.g0,
-                &ack.bytes(),
-                XDP_REDIRECT,
-                &out(&ack, MAC_BACKEND).bytes(),
-                Counter::Redirect,
-            )
-        });
-    mtu("1500")?;
-    result
+    })
 }
 
 /// Everything that is not plainly ours passes, byte for byte, with its reason counted.
@@ -1297,7 +1294,7 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
     let g0 = h.g0;
     let syn = client_syn(n, n.vip, 41000);
     let same = |h: &mut Harness, what: &str, bytes: Vec<u8>, c: Counter| {
-        h.expect(&format!("{fam} {what}"), g0, &bytes, XDP_PASS, &bytes, c)
+        h.expect_untouched(&format!("{fam} {what}"), g0, &bytes, XDP_PASS, c)
     };
     same(
         h,
