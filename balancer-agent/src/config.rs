@@ -575,14 +575,15 @@ impl Config {
                         format!("{}:{} is listed twice in this pool", s.address, s.port),
                     ));
                 }
+                // DSR pools have no replies to tell apart.
                 let pools = in_pools.entry((s.address, s.port)).or_insert(0);
-                *pools += 1;
+                *pools += usize::from(p.forwarding == Forwarding::Nat);
                 if *pools > MAX_REPLY_VIPS {
                     return Err((
                         at("address"),
                         format!(
-                            "{}:{} is in more than {MAX_REPLY_VIPS} pools; the program tells \
-                             whose replies are whose from at most that many VIPs",
+                            "{}:{} is in more than {MAX_REPLY_VIPS} NAT pools; the program \
+                             tells whose replies are whose from at most that many VIPs",
                             s.address, s.port
                         ),
                     ));
@@ -691,21 +692,25 @@ metrics_port = 8001
     /// Each bad value must name the file and the key, and say what is wrong.
     #[test]
     fn a_server_serves_at_most_four_pools() {
-        let pools = |n: usize| {
+        // `nat` pools, then `dsr` more with direct server return, which need no replies.
+        let pools = |nat: usize, dsr: usize| {
             let mut text = String::from("[agent]\ninterfaces = [\"eth0\"]\n");
-            for i in 0..n {
+            for i in 0..nat + dsr {
+                let forwarding = if i < nat { "nat" } else { "dsr" };
                 text += &format!(
                     "[[pool]]\nname = \"p{i}\"\nvip = \"192.0.2.{}\"\nport = 8000\n\
+                     forwarding = \"{forwarding}\"\n\
                      [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n",
                     60 + i
                 );
             }
             parse(&text)
         };
-        assert!(pools(MAX_REPLY_VIPS).is_ok());
-        let err = pools(MAX_REPLY_VIPS + 1).unwrap_err();
+        assert!(pools(MAX_REPLY_VIPS, 0).is_ok());
+        assert!(pools(MAX_REPLY_VIPS, 2).is_ok());
+        let err = pools(MAX_REPLY_VIPS + 1, 0).unwrap_err();
         assert!(
-            err.contains("pool[4].server[0].address") && err.contains("more than 4 pools"),
+            err.contains("pool[4].server[0].address") && err.contains("more than 4 NAT pools"),
             "{err}"
         );
     }
