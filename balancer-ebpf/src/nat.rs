@@ -133,6 +133,7 @@ pub fn next_hop(
         p.__bindgen_anon_3.ipv6_src = *src;
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
+    let asked = p.family;
     // SAFETY: `p` is a valid, fully initialised parameter block of the size we pass.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -155,12 +156,7 @@ pub fn next_hop(
                 (*dst, p.__bindgen_anon_4.ipv6_dst)
             }
         };
-        let family = if pkt.key.family == FAMILY_V4 {
-            AF_INET
-        } else {
-            AF_INET6
-        };
-        if p.family != family
+        if p.family != asked
             || to[0] != via[0]
             || to[1] != via[1]
             || to[2] != via[2]

@@ -213,16 +213,19 @@ fn with_system<T>(
             if dsr {
                 config.pools[0].forwarding = Some("dsr".into());
             }
-            topology.route_answers(dsr)?;
-            let running = Agent::start(topology, agent, &config);
-            let out = running.and_then(|running| {
+            if dsr {
+                topology.route_answers(true)?;
+            }
+            let out = Agent::start(topology, agent, &config).and_then(|running| {
                 await_every_server_up(&running)?;
                 let out = f(None);
                 running.stop()?;
                 out
             });
-            // The other systems' answers go back through the gateway.
-            topology.route_answers(false)?;
+            if dsr {
+                // The other systems' answers go back through the gateway, as built.
+                topology.route_answers(false)?;
+            }
             out
         }
         System::Nft => {
