@@ -136,7 +136,7 @@ impl Pins {
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
     /// build, or a changed `flow_table_entries`), or only some of the maps (a missing ring
-    /// buffer is no loss: it is created). Maps of another layout that no link uses any more
+    /// buffer or next-hop cache is no loss: it is created). Maps of another layout that no link uses any more
     /// are unpinned.
     pub fn inherited(&self) -> Result<bool> {
         let fix = format!(
@@ -166,9 +166,9 @@ impl Pins {
         let mut missing = Vec::new();
         for (name, path) in self.map_paths() {
             if !path.exists() {
-                // A ring holds no state to carry over: one that an earlier build did not
-                // have is created and pinned now, and the upgrade goes on.
-                if self.maps[&name].kind != Some(MapType::RingBuf) {
+                // A ring or a cache holds no state to carry over: one that an earlier build
+                // did not have is created and pinned now, and the upgrade goes on.
+                if self.maps[&name].kind != Some(MapType::RingBuf) && name != "HOPS" {
                     missing.push(name);
                 }
                 continue;

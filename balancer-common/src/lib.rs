@@ -275,10 +275,25 @@ pub struct NextHop {
     pub epoch: u32,
     pub dmac: [u8; 6],
     pub smac: [u8; 6],
-    /// The IP length the lookup checked against the egress MTU: a longer packet is looked up
-    /// again, so that one past the MTU goes to the stack, which answers "too big".
-    pub len: u16,
+    /// The egress MTU the FIB reported (or, from a kernel that reports none, the IP length
+    /// it checked): a longer packet is looked up again, so that one past the MTU goes to the
+    /// stack, which answers "too big".
+    pub mtu: u16,
     pub _pad: u16,
+}
+
+/// The next hop towards one backend (`HOPS`, per CPU), for its new flows: a SYN takes it
+/// instead of a FIB lookup while it is from the same epoch, was asked from the same ingress
+/// interface and still names the backend's address. Only an answer whose next hop is the
+/// backend itself, on one of our links, is kept: that answer is the same whichever client
+/// asks, where a route through a router may depend on the flow (multipath) or the source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct BackendHop {
+    /// The backend's address the answer is for (the agent may give the id to another).
+    pub addr: [u32; 4],
+    pub ingress: u32,
+    pub hop: NextHop,
 }
 
 /// What the program reports of a shared flow (`VIP_F_SYNC`) in `FLOW_EVENTS`: the agent
@@ -546,6 +561,7 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 96);
         assert_eq!(size_of::<NextHop>(), 24);
+        assert_eq!(size_of::<BackendHop>(), 44);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);

@@ -21,13 +21,13 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::draws, sync_epoch, Backend, Counter, FlowEntry, FlowKey, NextHop, ReplyKey, VipInfo,
-    VipKey, ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
+    hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, NextHop, ReplyKey,
+    VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
     FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
-use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, MAGLEV, REPLIES, VIPS};
+use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -189,15 +189,55 @@ fn cached_hop(
     dsr: bool,
 ) -> Result<NextHop, Counter> {
     let epoch = (now >> 30) as u32;
-    if cache.ifindex != 0 && cache.epoch == epoch && pkt.len <= cache.len {
+    if fresh(cache, epoch, pkt) {
         return Ok(*cache);
     }
-    let hop = nat::next_hop(ctx, pkt, ends, ports, dsr);
-    *cache = match hop {
-        Ok(h) => NextHop { epoch, ..h },
-        Err(_) => NextHop::default(),
-    };
+    let hop = nat::next_hop(ctx, pkt, ends, ports, dsr).map(|r| NextHop { epoch, ..r.hop });
+    *cache = hop.unwrap_or_default();
     hop
+}
+
+/// A cached answer usable for `pkt` in `epoch`.
+#[inline(always)]
+fn fresh(hop: &NextHop, epoch: u32, pkt: &Packet) -> bool {
+    hop.ifindex != 0 && hop.epoch == epoch && pkt.len <= hop.mtu
+}
+
+/// The next hop of a new flow to `backend` (id `id`): the one an earlier new flow to it
+/// found on this CPU in this epoch, if it came in on the same interface and the backend is on
+/// one of our links (see `BackendHop`), else a FIB lookup, kept for the next one if so.
+#[inline(always)]
+fn backend_hop(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    (id, backend): (u32, &Backend),
+    now: u64,
+    dsr: bool,
+) -> Result<NextHop, Counter> {
+    let epoch = (now >> 30) as u32;
+    let ingress = ctx.ingress_ifindex() as u32;
+    let shared = HOPS.get_ptr_mut(id);
+    if let Some(c) = shared {
+        // SAFETY: this CPU's value; nothing else writes it while this program runs here.
+        let c = unsafe { &*c };
+        if c.ingress == ingress && same_addr(&c.addr, &backend.addr) && fresh(&c.hop, epoch, pkt) {
+            return Ok(c.hop);
+        }
+    }
+    let ports = (pkt.key.sport, backend.port);
+    let route = nat::next_hop(ctx, pkt, (&pkt.key.src, &backend.addr), ports, dsr)?;
+    let hop = NextHop { epoch, ..route.hop };
+    if let (Some(c), true) = (shared, route.on_link) {
+        // SAFETY: as above.
+        unsafe {
+            *c = BackendHop {
+                addr: backend.addr,
+                ingress,
+                hop,
+            }
+        };
+    }
+    Ok(hop)
 }
 
 /// Picks a backend (hint bucket, Maglev, alternates) and records the flow, with the next
@@ -249,9 +289,8 @@ fn new_flow(
         to_client: NextHop::default(),
         close_claim: 0,
     };
-    let ports = (pkt.key.sport, backend.port);
-    let ends = (&pkt.key.src, &backend.addr);
-    let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports, dsr);
+    let hop = backend_hop(ctx, pkt, (id, &backend), now, dsr);
+    entry.to_backend = hop.unwrap_or_default();
     if dsr {
         // Not delivered, so not a flow: nothing recorded, nothing counted as opened, and the
         // client's next try is placed anew.

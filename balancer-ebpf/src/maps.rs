@@ -7,9 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use balancer_common::{
-    Backend, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry, FlowKey, Replies,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS, DEFAULT_FLOW_ENTRIES,
-    FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    Backend, BackendHop, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry,
+    FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS,
+    DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -43,6 +43,12 @@ pub static ALTERNATES: Array<u64> = Array::with_max_entries(ALTERNATES_SLOTS, BP
 #[map]
 pub static FLOWS: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_ENTRIES, 0);
+
+/// Backend id -> the next hop towards it that a new flow found on this CPU, for the next
+/// new flows to the same backend (`BackendHop`): most SYNs skip the FIB lookup, which costs
+/// about as much as the rest of their work. Per CPU, so that no writer races a reader.
+#[map]
+pub static HOPS: PerCpuArray<BackendHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
 /// Backend (address, port) -> the VIPs it serves. A packet from a backend is a reply of ours
 /// if the flow `its destination -> one of these VIPs` names that backend; a packet from

@@ -103,6 +103,13 @@ pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -
     rewrite(ctx, pkt, (V4_SRC, V6_SRC), TCP_SPORT, addr, port)
 }
 
+/// A FIB answer: the next hop, and whether it is the destination itself on one of our links
+/// (no router in between).
+pub struct Route {
+    pub hop: NextHop,
+    pub on_link: bool,
+}
+
 /// The FIB's next hop for `src -> dst`, or why there is none to use: the neighbour's MAC is
 /// not known yet (the stack resolves it, and sends the packet on), or no forwarding answer.
 /// With `dsr`, the packet still goes to the VIP, so `dst` must be the next hop itself (on a
@@ -115,7 +122,7 @@ pub fn next_hop(
     (src, dst): (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
     dsr: bool,
-) -> Result<NextHop, Counter> {
+) -> Result<Route, Counter> {
     // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.l4_protocol = pkt.key.proto;
@@ -147,32 +154,38 @@ pub fn next_hop(
     // destination (and an IPv6 gateway of an IPv4 route over the family), before it looks
     // for the neighbour.
     let resolved = rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
-    if dsr && (resolved || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH)) {
-        // SAFETY: plain integers, written by the kernel or by us above.
-        let (to, via) = unsafe {
-            if pkt.key.family == FAMILY_V4 {
-                ([dst[0], 0, 0, 0], [p.__bindgen_anon_4.ipv4_dst, 0, 0, 0])
-            } else {
-                (*dst, p.__bindgen_anon_4.ipv6_dst)
-            }
-        };
-        if p.family != asked
-            || to[0] != via[0]
-            || to[1] != via[1]
-            || to[2] != via[2]
-            || to[3] != via[3]
-        {
-            return Err(Counter::DropDsrRouted);
+    let routed = resolved || rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH);
+    // SAFETY: plain integers, written by the kernel or by us above.
+    let (to, via) = unsafe {
+        if pkt.key.family == FAMILY_V4 {
+            ([dst[0], 0, 0, 0], [p.__bindgen_anon_4.ipv4_dst, 0, 0, 0])
+        } else {
+            (*dst, p.__bindgen_anon_4.ipv6_dst)
         }
+    };
+    let on_link = routed
+        && p.family == asked
+        && to[0] == via[0]
+        && to[1] == via[1]
+        && to[2] == via[2]
+        && to[3] == via[3];
+    if dsr && routed && !on_link {
+        return Err(Counter::DropDsrRouted);
     }
     if resolved && p.ifindex != 0 {
-        Ok(NextHop {
-            ifindex: p.ifindex,
-            epoch: 0,
-            dmac: p.dmac,
-            smac: p.smac,
-            len: pkt.len,
-            _pad: 0,
+        Ok(Route {
+            hop: NextHop {
+                ifindex: p.ifindex,
+                epoch: 0,
+                dmac: p.dmac,
+                smac: p.smac,
+                // On success the kernel (5.12 on) writes the egress MTU over `tot_len`;
+                // an older one leaves the length it checked, a smaller bound that still holds.
+                // SAFETY: a u16 either way.
+                mtu: unsafe { p.__bindgen_anon_1.mtu_result },
+                _pad: 0,
+            },
+            on_link,
         })
     } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         Err(if dsr {

@@ -10,7 +10,7 @@
 //! overhead is in every figure, floor included. The packets go in passes over chunks of
 //! flows (SYNs; first replies and first client packets; then the measured client packets and
 //! replies), so that a flow's entry has left the CPU's nearer caches since its previous
-//! packet while the next hop its previous packet of that size cached is still fresh, as in a
+//! packet while the next hop its previous packet in that direction cached is still fresh, as in a
 //! stream. One more figure sends the established packet again right away, as the segments
 //! after the first of a burst arrive: its entry is then in cache.
 //!
@@ -305,8 +305,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const HINTED: usize = 5;
         const FIRST_REPLY: usize = 6;
         // The flow's first packet after its SYN, of the established size: it marks the flow
-        // acknowledged and looks the next hop up again (the SYN's answer was checked for a
-        // shorter packet), which the next ones are spared.
+        // acknowledged, with the next hop its SYN cached (good up to the egress MTU).
         const WARM_FORWARD: usize = 7;
         // The packet right after ESTABLISHED, as in a burst of segments: its entry is cached.
         const BURST: usize = 8;
@@ -320,8 +319,8 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const SHARED_SYN: usize = 9;
         const SHARED_FIRST: usize = 10;
         const SHARED_REPLY: usize = 11;
-        // A SYN to the DSR VIP, its first packet after it (not a figure: as WARM_FORWARD,
-        // it looks the next hop up again) and a later one. Their clients are others again.
+        // A SYN to the DSR VIP, its first packet after it (not a figure: as WARM_FORWARD)
+        // and a later one. Their clients are others again.
         const DSR_SYN: usize = 12;
         const DSR_WARM: usize = 13;
         const DSR_ESTABLISHED: usize = 14;
@@ -541,7 +540,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         figures.insert(format!("{key}.not_ours.repeat_ns"), Some(not_ours_n));
     }
     let mut out = format!(
-        "Packet cost under BPF_PROG_TEST_RUN: {} other flows in the table; each figure is the mean of {} runs of one packet each (distinct flows), as the kernel timed them. The packets go in passes over chunks of {CHUNK} flows (first packets; first replies and a first client packet of the established size; then one more packet each way), so that a flow's entry has left the nearer CPU caches since its previous packet while the next hop its previous packet of that size and direction cached is still fresh, as in a stream. The goal is checked on that packet; \"next packet of a burst\" is the same flow's packet right after it, its entry still in cache, as for the segments after the first of a TSO burst.\n\n",
+        "Packet cost under BPF_PROG_TEST_RUN: {} other flows in the table; each figure is the mean of {} runs of one packet each (distinct flows), as the kernel timed them. The packets go in passes over chunks of {CHUNK} flows (first packets; first replies and a first client packet of the established size; then one more packet each way), so that a flow's entry has left the nearer CPU caches since its previous packet while the next hop its previous packet in that direction cached is still fresh, as in a stream. The goal is checked on that packet; \"next packet of a burst\" is the same flow's packet right after it, its entry still in cache, as for the segments after the first of a TSO burst. A new flow's SYN finds the next hop to its backend that the SYN before it found (see `HOPS` in docs/architecture.md); a first reply looks its next hop up.\n\n",
         plan.flows, plan.packets
     );
     out += "| family | path | ns/packet | x floor | goal |\n|---|---|---:|---:|---|\n";

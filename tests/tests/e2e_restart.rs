@@ -216,12 +216,22 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     probe(topology, "after the refused start")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
-    // of shared flows is unpinned first, as a build that had none would have left them:
-    // a ring holds no state, so the upgrade goes on and pins a new one.
-    let ring = pins.join(format!("maps-v{}/FLOW_EVENTS", balancer_common::PIN_LAYOUT));
-    std::fs::remove_file(&ring).with_context(|| format!("unpinning {}", ring.display()))?;
+    // of shared flows and the next-hop cache are unpinned first, as a build that had
+    // neither would have left them: they hold no state, so the upgrade goes on and pins new
+    // ones.
+    let stateless = ["FLOW_EVENTS", "HOPS"]
+        .map(|m| pins.join(format!("maps-v{}/{m}", balancer_common::PIN_LAYOUT)));
+    for map in &stateless {
+        std::fs::remove_file(map).with_context(|| format!("unpinning {}", map.display()))?;
+    }
     let third = Agent::start(topology, binary, &config)?;
-    ensure!(ring.exists(), "the third agent did not pin a new ring");
+    for map in &stateless {
+        ensure!(
+            map.exists(),
+            "the third agent did not pin a new {}",
+            map.display()
+        );
+    }
     probe(topology, "with the third agent")?;
     let mut rival = config.clone();
     rival.agent.control_socket = topology.dir().join("rival.sock");

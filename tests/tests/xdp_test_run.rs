@@ -41,6 +41,8 @@ struct Net {
     backend_nn: IpAddr,
     /// VIP whose only backend has weight 0.
     vip_empty: IpAddr,
+    /// VIP whose backend is `routed`, behind `backend` as a router.
+    vip_routed: IpAddr,
     /// An address behind g1 that is no backend.
     other: IpAddr,
     /// VIP of a pool of four backends behind g1 (no neighbour entries).
@@ -69,6 +71,7 @@ fn v4() -> Net {
         vip_nn: ip("192.0.2.62"),
         backend_nn: ip("10.4.0.12"),
         vip_empty: ip("192.0.2.63"),
+        vip_routed: ip("192.0.2.65"),
         other: ip("10.4.0.99"),
         vip_multi: ip("192.0.2.64"),
         multi: ["10.4.0.21", "10.4.0.22", "10.4.0.23", "10.4.0.24"].map(ip),
@@ -90,6 +93,7 @@ fn v6() -> Net {
         vip_nn: ip("2001:db8::62"),
         backend_nn: ip("fd00:4::12"),
         vip_empty: ip("2001:db8::63"),
+        vip_routed: ip("2001:db8::65"),
         other: ip("fd00:4::99"),
         vip_multi: ip("2001:db8::64"),
         multi: ["fd00:4::21", "fd00:4::22", "fd00:4::23", "fd00:4::24"].map(ip),
@@ -109,6 +113,7 @@ fn config(nets: &[Net]) -> Config {
             ("tx", n.vip_tx, n.backend_tx, 9000, 100),
             ("nn", n.vip_nn, n.backend_nn, 8000, 100),
             ("empty", n.vip_empty, n.backend, 8000, 0),
+            ("routed", n.vip_routed, n.routed, 8000, 100),
         ] {
             text += &format!(
                 "[[pool]]\nname = \"{name}{f}\"\nvip = \"{vip}\"\nport = 8000\n\
@@ -357,6 +362,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         for n in &nets {
             forwarding(&mut h, n, id(n.backend))?;
             next_hop_is_cached_for_an_epoch(&mut h, n)?;
+            new_flows_share_the_next_hop_to_a_backend_on_link(&mut h, n)?;
             passing(&mut h, n)?;
             let multi = multi_vip(&plan, n);
             kernel_picks_what_user_space_predicts(&mut h, n, &multi.table, &id)?;
@@ -792,7 +798,8 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
 }
 
 /// Runs `f` with g1's MTU at 1300 (IPv6 needs at least 1280 on a link), then puts 1500 back
-/// whatever `f` returned.
+/// whatever `f` returned. Next hops cached earlier still carry the old MTU for the rest of
+/// their epoch, so `f` runs in the next one.
 fn with_small_mtu_on_g1(f: impl FnOnce() -> Result<()>) -> Result<()> {
     let mtu = |m: &str| -> Result<()> {
         let status = std::process::Command::new("ip")
@@ -802,6 +809,7 @@ fn with_small_mtu_on_g1(f: impl FnOnce() -> Result<()>) -> Result<()> {
         Ok(())
     };
     mtu("1300")?;
+    next_epoch();
     let result = f();
     mtu("1500")?;
     result
@@ -1189,6 +1197,169 @@ fn alternates_when_the_pick_has_no_room(
 /// The epoch a cached next hop is good for: the program's clock >> 30.
 fn epoch() -> u32 {
     (balancer_agent::dataplane::monotonic_ns() >> 30) as u32
+}
+
+/// Sleeps until the next epoch has begun (at most one epoch, about 1.07 s).
+fn next_epoch() {
+    let now = balancer_agent::dataplane::monotonic_ns();
+    let left = (1u64 << 30) - (now & ((1 << 30) - 1));
+    std::thread::sleep(std::time::Duration::from_nanos(left + 5_000_000));
+}
+
+/// Sleeps, if need be, until at least 400 ms of the current epoch are left.
+fn early_in_epoch() {
+    let now = balancer_agent::dataplane::monotonic_ns();
+    if (1u64 << 30) - (now & ((1 << 30) - 1)) < 400_000_000 {
+        next_epoch();
+    }
+}
+
+/// Runs `f` with the neighbour entry of `addr` on g1 giving `mac`, then puts the entry the
+/// topology made back whatever `f` returned.
+fn with_neighbour_on_g1(addr: IpAddr, mac: [u8; 6], f: impl FnOnce() -> Result<()>) -> Result<()> {
+    let set = |mac: [u8; 6]| -> Result<()> {
+        let lladdr = mac.map(|b| format!("{b:02x}")).join(":");
+        let (addr, lladdr) = (addr.to_string(), lladdr.as_str());
+        let args = [
+            "neigh",
+            "replace",
+            &addr,
+            "lladdr",
+            lladdr,
+            "nud",
+            "permanent",
+            "dev",
+            "g1",
+        ];
+        let status = std::process::Command::new("ip").args(args).status()?;
+        ensure!(status.success(), "ip {}: {status}", args.join(" "));
+        Ok(())
+    };
+    set(mac)?;
+    let result = f();
+    set(MAC_BACKEND)?;
+    result
+}
+
+/// A new flow's FIB answer is kept per backend too (`HOPS`), for the next new flows to it in
+/// the same epoch, only when the next hop is the backend itself on one of our links and only
+/// for packets that come in on the same interface. Shown by moving the backend's neighbour
+/// entry to another MAC: a SYN of the same epoch still gets the answer an earlier SYN got
+/// (and so does the first data packet of that SYN's flow: answers hold up to the MTU), a SYN
+/// to a server behind the backend as a router, or from another interface, or of the next
+/// epoch, gets the new MAC.
+fn new_flows_share_the_next_hop_to_a_backend_on_link(h: &mut Harness, n: &Net) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let moved = [0x02, 0, 0, 0, 0x0e, 0x0f];
+    let out = |f: &Frame, dst, smac, dmac| {
+        f.with(|f| {
+            f.smac = smac;
+            f.dmac = dmac;
+            f.dst = dst;
+            f.ttl -= 1;
+        })
+    };
+    let (g0, g1) = (h.g0, h.g1);
+    let mut sport = 40400;
+    let mut syn = |vip| {
+        sport += 1;
+        client_syn(n, vip, sport)
+    };
+    for attempt in 0..3 {
+        early_in_epoch();
+        let at = epoch();
+        let (a, r1) = (syn(n.vip), syn(n.vip_routed));
+        let what = format!("{fam} SYN to a backend on g1, attempt {attempt}");
+        let to_backend = out(&a, n.backend, MAC_G1, MAC_BACKEND);
+        h.expect(
+            &what,
+            g0,
+            &a.bytes(),
+            XDP_REDIRECT,
+            &to_backend.bytes(),
+            Counter::FlowNewSyn,
+        )?;
+        let what = format!("{fam} SYN to a server behind a router, attempt {attempt}");
+        let routed = out(&r1, n.routed, MAC_G1, MAC_BACKEND);
+        h.expect(
+            &what,
+            g0,
+            &r1.bytes(),
+            XDP_REDIRECT,
+            &routed.bytes(),
+            Counter::FlowNewSyn,
+        )?;
+        let (b, r2, c) = (syn(n.vip), syn(n.vip_routed), syn(n.vip));
+        with_neighbour_on_g1(n.backend, moved, || {
+            let what = format!("{fam} next SYN to the backend, same epoch: the kept answer");
+            let kept = out(&b, n.backend, MAC_G1, MAC_BACKEND);
+            h.expect(
+                &what,
+                g0,
+                &b.bytes(),
+                XDP_REDIRECT,
+                &kept.bytes(),
+                Counter::FlowNewSyn,
+            )?;
+            // The answer holds up to the egress MTU the FIB reported, not only up to the
+            // length of the packet it was asked for.
+            let data = a.with(|f| {
+                f.flags = "PA";
+                f.bulk = 1000;
+            });
+            let what = format!("{fam} first data of the flow, longer than its SYN: kept");
+            let kept = out(&data, n.backend, MAC_G1, MAC_BACKEND);
+            h.expect(
+                &what,
+                g0,
+                &data.bytes(),
+                XDP_REDIRECT,
+                &kept.bytes(),
+                Counter::Forward,
+            )?;
+            let what = format!("{fam} next SYN behind the router: looked up");
+            let fresh = out(&r2, n.routed, MAC_G1, moved);
+            h.expect(
+                &what,
+                g0,
+                &r2.bytes(),
+                XDP_REDIRECT,
+                &fresh.bytes(),
+                Counter::FlowNewSyn,
+            )?;
+            let what = format!("{fam} SYN to the backend in from g1: looked up");
+            let fresh = out(&c, n.backend, MAC_G1, moved);
+            h.expect(
+                &what,
+                g1,
+                &c.bytes(),
+                XDP_TX,
+                &fresh.bytes(),
+                Counter::FlowNewSyn,
+            )?;
+            if epoch() != at {
+                return Ok(());
+            }
+            next_epoch();
+            let d = syn(n.vip);
+            let what = format!("{fam} SYN to the backend in the next epoch: looked up");
+            let fresh = out(&d, n.backend, MAC_G1, moved);
+            h.expect(
+                &what,
+                g0,
+                &d.bytes(),
+                XDP_REDIRECT,
+                &fresh.bytes(),
+                Counter::FlowNewSyn,
+            )
+        })?;
+        if epoch() != at.wrapping_add(1) {
+            // The first part straddled an epoch boundary (the machine stalled): again.
+            continue;
+        }
+        return Ok(());
+    }
+    anyhow::bail!("{fam}: three tries straddled an epoch boundary")
 }
 
 /// The FIB answer is kept in the flow entry, per direction: a packet of the same epoch uses
