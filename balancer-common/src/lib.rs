@@ -282,7 +282,8 @@ pub struct NextHop {
     pub _pad: u16,
 }
 
-/// The next hop towards one backend (`HOPS`, per CPU), for its new flows: a SYN takes it
+/// The next hop towards one backend (`HOPS`, per CPU), for all its flows: a packet whose flow
+/// has no answer of this epoch (a SYN, or a long flow's first packet of a new epoch) takes it
 /// instead of a FIB lookup while it is from the same epoch, was asked from the same ingress
 /// interface and still names the backend's address. Only an answer whose next hop is the
 /// backend itself, on one of our links, is kept: that answer is the same whichever client

@@ -141,9 +141,8 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
                 }
             }
             note_fin(pkt, &pkt.key, entry, now);
-            let ports = (pkt.key.sport, entry.nat_port);
-            let ends = (&pkt.key.src, &entry.nat_addr);
-            let hop = cached_hop(ctx, pkt, &mut entry.to_backend, now, ends, ports, dsr);
+            let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
+            let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
             target = Some((entry.backend_id, entry.nat_addr, entry.nat_port, hop));
         }
     }
@@ -174,10 +173,10 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     nat::send(ctx, pkt, hop, dsr)
 }
 
-/// The next hop of one direction of a flow: the answer cached in its entry while it is from
-/// this epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale
-/// answer lives a second at most: a changed route or neighbour MAC takes effect by then.
-/// Only usable answers are cached, so a DSR flow's cache holds a backend on our link.
+/// The next hop of a flow's replies: the answer cached in its entry while it is from this
+/// epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale answer
+/// lives a second at most: a changed route or neighbour MAC takes effect by then. Only usable
+/// answers are cached.
 #[inline(always)]
 fn cached_hop(
     ctx: &XdpContext,
@@ -203,41 +202,53 @@ fn fresh(hop: &NextHop, epoch: u32, pkt: &Packet) -> bool {
     hop.ifindex != 0 && hop.epoch == epoch && pkt.len <= hop.mtu
 }
 
-/// The next hop of a new flow to `backend` (id `id`): the one an earlier new flow to it
-/// found on this CPU in this epoch, if it came in on the same interface and the backend is on
-/// one of our links (see `BackendHop`), else a FIB lookup, kept for the next one if so.
+/// The next hop of a flow's packets towards its backend (id, address, port): the answer
+/// cached in the flow's entry (`cache`) while it is from this epoch, else the one another
+/// flow to the backend found on this CPU in this epoch, if it came in on the same interface
+/// and the backend is on one of our links (see `BackendHop`), else a FIB lookup, kept for
+/// both. So a new flow's SYN, and a long flow's first packet of a new epoch, mostly skip the
+/// lookup. Only usable answers are cached, so a DSR flow's cache holds a backend on our link.
 #[inline(always)]
-fn backend_hop(
+fn to_backend(
     ctx: &XdpContext,
     pkt: &Packet,
-    (id, backend): (u32, &Backend),
+    cache: &mut NextHop,
+    (id, addr, port): (u32, &[u32; 4], u16),
     now: u64,
     dsr: bool,
 ) -> Result<NextHop, Counter> {
     let epoch = (now >> 30) as u32;
+    if fresh(cache, epoch, pkt) {
+        return Ok(*cache);
+    }
     let ingress = ctx.ingress_ifindex() as u32;
     let shared = HOPS.get_ptr_mut(id);
     if let Some(c) = shared {
         // SAFETY: this CPU's value; nothing else writes it while this program runs here.
         let c = unsafe { &*c };
-        if c.ingress == ingress && same_addr(&c.addr, &backend.addr) && fresh(&c.hop, epoch, pkt) {
+        if c.ingress == ingress && same_addr(&c.addr, addr) && fresh(&c.hop, epoch, pkt) {
+            *cache = c.hop;
             return Ok(c.hop);
         }
     }
-    let ports = (pkt.key.sport, backend.port);
-    let route = nat::next_hop(ctx, pkt, (&pkt.key.src, &backend.addr), ports, dsr)?;
-    let hop = NextHop { epoch, ..route.hop };
-    if let (Some(c), true) = (shared, route.on_link) {
+    let ports = (pkt.key.sport, port);
+    let route = nat::next_hop(ctx, pkt, (&pkt.key.src, addr), ports, dsr);
+    *cache = match &route {
+        Ok(r) => NextHop { epoch, ..r.hop },
+        Err(_) => NextHop::default(),
+    };
+    let on_link = matches!(route, Ok(nat::Route { on_link: true, .. }));
+    if let (Some(c), true) = (shared, on_link) {
         // SAFETY: as above.
         unsafe {
             *c = BackendHop {
-                addr: backend.addr,
+                addr: *addr,
                 ingress,
-                hop,
+                hop: *cache,
             }
         };
     }
-    Ok(hop)
+    route.map(|_| *cache)
 }
 
 /// Picks a backend (hint bucket, Maglev, alternates) and records the flow, with the next
@@ -289,8 +300,8 @@ fn new_flow(
         to_client: NextHop::default(),
         close_claim: 0,
     };
-    let hop = backend_hop(ctx, pkt, (id, &backend), now, dsr);
-    entry.to_backend = hop.unwrap_or_default();
+    let to = (id, &backend.addr, backend.port);
+    let hop = to_backend(ctx, pkt, &mut entry.to_backend, to, now, dsr);
     if dsr {
         // Not delivered, so not a flow: nothing recorded, nothing counted as opened, and the
         // client's next try is placed anew.

@@ -44,9 +44,10 @@ pub static ALTERNATES: Array<u64> = Array::with_max_entries(ALTERNATES_SLOTS, BP
 pub static FLOWS: LruHashMap<FlowKey, FlowEntry> =
     LruHashMap::with_max_entries(DEFAULT_FLOW_ENTRIES, 0);
 
-/// Backend id -> the next hop towards it that a new flow found on this CPU, for the next
-/// new flows to the same backend (`BackendHop`): most SYNs skip the FIB lookup, which costs
-/// about as much as the rest of their work. Per CPU, so that no writer races a reader.
+/// Backend id -> the next hop towards it that a flow found on this CPU, for the other flows
+/// to the same backend (`BackendHop`): most SYNs skip the FIB lookup, which costs about as
+/// much as the rest of their work, and so do long flows once a second. Per CPU, so that no
+/// writer races a reader.
 #[map]
 pub static HOPS: PerCpuArray<BackendHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 

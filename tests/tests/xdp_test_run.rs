@@ -362,7 +362,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         for n in &nets {
             forwarding(&mut h, n, id(n.backend))?;
             next_hop_is_cached_for_an_epoch(&mut h, n)?;
-            new_flows_share_the_next_hop_to_a_backend_on_link(&mut h, n)?;
+            flows_share_the_next_hop_to_a_backend_on_link(&mut h, n)?;
             passing(&mut h, n)?;
             let multi = multi_vip(&plan, n);
             kernel_picks_what_user_space_predicts(&mut h, n, &multi.table, &id)?;
@@ -1241,14 +1241,14 @@ fn with_neighbour_on_g1(addr: IpAddr, mac: [u8; 6], f: impl FnOnce() -> Result<(
     result
 }
 
-/// A new flow's FIB answer is kept per backend too (`HOPS`), for the next new flows to it in
-/// the same epoch, only when the next hop is the backend itself on one of our links and only
-/// for packets that come in on the same interface. Shown by moving the backend's neighbour
-/// entry to another MAC: a SYN of the same epoch still gets the answer an earlier SYN got
-/// (and so does the first data packet of that SYN's flow: answers hold up to the MTU), a SYN
-/// to a server behind the backend as a router, or from another interface, or of the next
-/// epoch, gets the new MAC.
-fn new_flows_share_the_next_hop_to_a_backend_on_link(h: &mut Harness, n: &Net) -> Result<()> {
+/// A FIB answer towards a backend is kept per backend too (`HOPS`), for the other flows to it
+/// in the same epoch, only when the next hop is the backend itself on one of our links and
+/// only for packets that come in on the same interface. Shown by moving the backend's
+/// neighbour entry to another MAC: a SYN of the same epoch still gets the answer an earlier
+/// SYN got, and so do the first data packet of that SYN's flow (answers hold up to the MTU)
+/// and a packet of a flow whose own answer is from an earlier epoch; a SYN to a server behind
+/// the backend as a router, or from another interface, or of the next epoch, gets the new MAC.
+fn flows_share_the_next_hop_to_a_backend_on_link(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let moved = [0x02, 0, 0, 0, 0x0e, 0x0f];
     let out = |f: &Frame, dst, smac, dmac| {
@@ -1313,6 +1313,22 @@ fn new_flows_share_the_next_hop_to_a_backend_on_link(h: &mut Harness, n: &Net) -
                 &what,
                 g0,
                 &data.bytes(),
+                XDP_REDIRECT,
+                &kept.bytes(),
+                Counter::Forward,
+            )?;
+            // A flow whose own answer is from an earlier epoch takes the backend's too.
+            let key = flow_key(n, n.vip, a.sport);
+            let mut e = h.dp.flow_table().get(&key, 0)?;
+            e.to_backend.epoch = at.wrapping_sub(1);
+            h.dp.flow_table().insert(key, e, 0)?;
+            let ack = a.with(|f| f.flags = "A");
+            let what = format!("{fam} ACK of a flow whose answer is a second old: the backend's");
+            let kept = out(&ack, n.backend, MAC_G1, MAC_BACKEND);
+            h.expect(
+                &what,
+                g0,
+                &ack.bytes(),
                 XDP_REDIRECT,
                 &kept.bytes(),
                 Counter::Forward,
