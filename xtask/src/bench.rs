@@ -257,11 +257,19 @@ fn header(
          run and the floor is mostly the kernel's per-run timer (compare it with the floor at \
          `repeat` = 1000000 in section 1). What an established packet adds is mostly cache \
          misses on a cold entry of a large table (the next packet of a burst, its entry in \
-         cache, shows the rest); a SYN adds an LRU insert and a FIB lookup. The direct \
+         cache, shows the rest); a SYN adds a miss in that table and an insert into it, and a \
+         slot of a 16 MB Maglev table. A FIB lookup (about 200-450 ns) is no longer in either: \
+         a SYN takes the next hop another flow to its backend found (`HOPS`), and the cached \
+         one holds up to the egress MTU, so the first packet after the SYN is spared one too \
+         (it cost about twice as much before, in an A/B run). The direct \
          server return rows change no address, port or checksum and cost about what the NAT \
          rows cost: the rewrite is not where the time goes.\n\
-         - bulk throughput, where it is missed: the three systems are within a few percent and \
-         change places from round to round (per-round table in section 2). GRO is off on these \
+         - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 2x \
+         from round to round on this shared machine (per-round table in section 2), more than \
+         the systems differ; the p50 is steady.\n\
+         - bulk throughput, where it is missed: the three systems change places from round to \
+         round and from run to run (per-round table in section 2; on 2026-11-30 ours led \
+         HAProxy by 5%, on 2026-12-01 HAProxy led ours by 19%). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
          backends' TCP stacks share the two CPUs with the gateway, so the line measures them as \
