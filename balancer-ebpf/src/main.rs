@@ -178,20 +178,19 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
 /// lives a second at most: a changed route or neighbour MAC takes effect by then. Only usable
 /// answers are cached.
 #[inline(always)]
-fn cached_hop(
+fn to_client(
     ctx: &XdpContext,
     pkt: &Packet,
     cache: &mut NextHop,
     now: u64,
     ends: (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
-    dsr: bool,
 ) -> Result<NextHop, Counter> {
     let epoch = (now >> 30) as u32;
     if fresh(cache, epoch, pkt) {
         return Ok(*cache);
     }
-    let hop = nat::next_hop(ctx, pkt, ends, ports, dsr).map(|r| NextHop { epoch, ..r.hop });
+    let hop = nat::next_hop(ctx, pkt, ends, ports, false).map(|r| NextHop { epoch, ..r.hop });
     *cache = hop.unwrap_or_default();
     hop
 }
@@ -413,7 +412,7 @@ fn reply(
     }
     let ports = (vip.port, pkt.key.dport);
     let ends = (&vip.addr, &pkt.key.dst);
-    let hop = cached_hop(ctx, pkt, &mut entry.to_client, now, ends, ports, false);
+    let hop = to_client(ctx, pkt, &mut entry.to_client, now, ends, ports);
     nat::send(ctx, pkt, hop, false)
 }
 
