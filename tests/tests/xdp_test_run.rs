@@ -1249,131 +1249,117 @@ fn with_neighbour_on_g1(addr: IpAddr, mac: [u8; 6], f: impl FnOnce() -> Result<(
 /// and a packet of a flow whose own answer is from an earlier epoch; a SYN to a server behind
 /// the backend as a router, or from another interface, or of the next epoch, gets the new MAC.
 fn flows_share_the_next_hop_to_a_backend_on_link(h: &mut Harness, n: &Net) -> Result<()> {
+    on_this_cpu(|| share_the_next_hop(h, n))
+}
+
+/// Runs `f` with the calling thread pinned to the CPU it is on, then restores its affinity:
+/// `HOPS` is per CPU, and BPF_PROG_TEST_RUN runs the program on the caller's CPU, so packets
+/// that should share an answer must not migrate between runs (as a NIC queue's do not).
+fn on_this_cpu<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    // SAFETY: cpu_set_t is plain data; the calls get and set the calling thread's mask.
+    let mut was: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    ensure!(
+        unsafe { libc::sched_getaffinity(0, size, &mut was) } == 0,
+        "sched_getaffinity: {}",
+        std::io::Error::last_os_error()
+    );
+    let cpu = unsafe { libc::sched_getcpu() };
+    ensure!(
+        cpu >= 0,
+        "sched_getcpu: {}",
+        std::io::Error::last_os_error()
+    );
+    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(cpu as usize, &mut one) };
+    ensure!(
+        unsafe { libc::sched_setaffinity(0, size, &one) } == 0,
+        "sched_setaffinity: {}",
+        std::io::Error::last_os_error()
+    );
+    let result = f();
+    ensure!(
+        unsafe { libc::sched_setaffinity(0, size, &was) } == 0,
+        "restoring the affinity: {}",
+        std::io::Error::last_os_error()
+    );
+    result
+}
+
+fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let moved = [0x02, 0, 0, 0, 0x0e, 0x0f];
-    let out = |f: &Frame, dst, smac, dmac| {
-        f.with(|f| {
-            f.smac = smac;
-            f.dmac = dmac;
-            f.dst = dst;
-            f.ttl -= 1;
-        })
-    };
     let (g0, g1) = (h.g0, h.g1);
     let mut sport = 40400;
     let mut syn = |vip| {
         sport += 1;
         client_syn(n, vip, sport)
     };
-    for attempt in 0..3 {
+    // Each case: what, ingress, frame, verdict, the address and MAC it goes to, its counter.
+    type Case<'a> = (&'a str, u32, Frame, u32, (IpAddr, [u8; 6]), Counter);
+    let check = |h: &mut Harness, cases: &[Case]| -> Result<()> {
+        for (what, ingress, frame, verdict, (dst, dmac), counter) in cases {
+            let out = frame.with(|f| {
+                f.smac = MAC_G1;
+                f.dmac = *dmac;
+                f.dst = *dst;
+                f.ttl -= 1;
+            });
+            let (what, frame, out) = (format!("{fam} {what}"), frame.bytes(), out.bytes());
+            h.expect(&what, *ingress, &frame, *verdict, &out, *counter)?;
+        }
+        Ok(())
+    };
+    let (kept, looked_up) = ((n.backend, MAC_BACKEND), (n.backend, moved));
+    let (routed, routed_new) = ((n.routed, MAC_BACKEND), (n.routed, moved));
+    let (redirect, new, fwd) = (XDP_REDIRECT, Counter::FlowNewSyn, Counter::Forward);
+    for _ in 0..3 {
         early_in_epoch();
         let at = epoch();
-        let (a, r1) = (syn(n.vip), syn(n.vip_routed));
-        let what = format!("{fam} SYN to a backend on g1, attempt {attempt}");
-        let to_backend = out(&a, n.backend, MAC_G1, MAC_BACKEND);
-        h.expect(
-            &what,
-            g0,
-            &a.bytes(),
-            XDP_REDIRECT,
-            &to_backend.bytes(),
-            Counter::FlowNewSyn,
-        )?;
-        let what = format!("{fam} SYN to a server behind a router, attempt {attempt}");
-        let routed = out(&r1, n.routed, MAC_G1, MAC_BACKEND);
-        h.expect(
-            &what,
-            g0,
-            &r1.bytes(),
-            XDP_REDIRECT,
-            &routed.bytes(),
-            Counter::FlowNewSyn,
-        )?;
-        let (b, r2, c) = (syn(n.vip), syn(n.vip_routed), syn(n.vip));
-        with_neighbour_on_g1(n.backend, moved, || {
-            let what = format!("{fam} next SYN to the backend, same epoch: the kept answer");
-            let kept = out(&b, n.backend, MAC_G1, MAC_BACKEND);
-            h.expect(
-                &what,
-                g0,
-                &b.bytes(),
-                XDP_REDIRECT,
-                &kept.bytes(),
-                Counter::FlowNewSyn,
-            )?;
-            // The answer holds up to the egress MTU the FIB reported, not only up to the
-            // length of the packet it was asked for.
-            let data = a.with(|f| {
-                f.flags = "PA";
-                f.bulk = 1000;
-            });
-            let what = format!("{fam} first data of the flow, longer than its SYN: kept");
-            let kept = out(&data, n.backend, MAC_G1, MAC_BACKEND);
-            h.expect(
-                &what,
-                g0,
-                &data.bytes(),
-                XDP_REDIRECT,
-                &kept.bytes(),
-                Counter::Forward,
-            )?;
-            // A flow whose own answer is from an earlier epoch takes the backend's too.
+        let (a, r1, b) = (syn(n.vip), syn(n.vip_routed), syn(n.vip));
+        let (r2, c) = (syn(n.vip_routed), syn(n.vip));
+        let same_epoch = (|| -> Result<()> {
+            let cases = [
+                ("SYN to a backend on g1", g0, a.clone(), redirect, kept, new),
+                ("SYN behind a router", g0, r1, redirect, routed, new),
+            ];
+            check(h, &cases)?;
+            // Flow a's own answer, made a second old: its next packet needs another.
             let key = flow_key(n, n.vip, a.sport);
             let mut e = h.dp.flow_table().get(&key, 0)?;
             e.to_backend.epoch = at.wrapping_sub(1);
             h.dp.flow_table().insert(key, e, 0)?;
+            // Flow b's first data packet is longer than its SYN: the answer holds up to the
+            // egress MTU the FIB reported, not only up to the length it was asked for.
+            let data = b.with(|f| {
+                f.flags = "PA";
+                f.bulk = 1000;
+            });
             let ack = a.with(|f| f.flags = "A");
-            let what = format!("{fam} ACK of a flow whose answer is a second old: the backend's");
-            let kept = out(&ack, n.backend, MAC_G1, MAC_BACKEND);
-            h.expect(
-                &what,
-                g0,
-                &ack.bytes(),
-                XDP_REDIRECT,
-                &kept.bytes(),
-                Counter::Forward,
-            )?;
-            let what = format!("{fam} next SYN behind the router: looked up");
-            let fresh = out(&r2, n.routed, MAC_G1, moved);
-            h.expect(
-                &what,
-                g0,
-                &r2.bytes(),
-                XDP_REDIRECT,
-                &fresh.bytes(),
-                Counter::FlowNewSyn,
-            )?;
-            let what = format!("{fam} SYN to the backend in from g1: looked up");
-            let fresh = out(&c, n.backend, MAC_G1, moved);
-            h.expect(
-                &what,
-                g1,
-                &c.bytes(),
-                XDP_TX,
-                &fresh.bytes(),
-                Counter::FlowNewSyn,
-            )?;
-            if epoch() != at {
-                return Ok(());
-            }
-            next_epoch();
-            let d = syn(n.vip);
-            let what = format!("{fam} SYN to the backend in the next epoch: looked up");
-            let fresh = out(&d, n.backend, MAC_G1, moved);
-            h.expect(
-                &what,
-                g0,
-                &d.bytes(),
-                XDP_REDIRECT,
-                &fresh.bytes(),
-                Counter::FlowNewSyn,
-            )
-        })?;
-        if epoch() != at.wrapping_add(1) {
-            // The first part straddled an epoch boundary (the machine stalled): again.
+            with_neighbour_on_g1(n.backend, moved, || {
+                let cases = [
+                    ("next SYN: kept", g0, b, redirect, kept, new),
+                    ("its data, longer: kept", g0, data, redirect, kept, fwd),
+                    ("aged flow's ACK: kept", g0, ack, redirect, kept, fwd),
+                    ("routed SYN: looked up", g0, r2, redirect, routed_new, new),
+                    ("SYN in from g1: looked up", g1, c, XDP_TX, looked_up, new),
+                ];
+                check(h, &cases)
+            })
+        })();
+        if epoch() != at {
+            // The cases straddled an epoch boundary (the machine stalled): again.
             continue;
         }
-        return Ok(());
+        same_epoch?;
+        let d = syn(n.vip);
+        return with_neighbour_on_g1(n.backend, moved, || {
+            next_epoch();
+            check(
+                h,
+                &[("next epoch: looked up", g0, d, redirect, looked_up, new)],
+            )
+        });
     }
     anyhow::bail!("{fam}: three tries straddled an epoch boundary")
 }
