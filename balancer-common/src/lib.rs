@@ -438,6 +438,9 @@ pub enum Counter {
     /// A VLAN-tagged packet for a DSR VIP: XDP cannot transmit on a VLAN device and the
     /// stack cannot forward a packet still addressed to the VIP.
     DropDsrVlan,
+    /// A FIB lookup (`bpf_fib_lookup`): the first packet of a flow's direction in each epoch
+    /// that neither its flow's cached answer nor its backend's (`HOPS`) serves.
+    FibLookup,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -446,7 +449,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::DropDsrVlan as u32 + 1;
+    pub const COUNT: u32 = Counter::FibLookup as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -484,6 +487,7 @@ impl Counter {
         Counter::DropDsrTooBig,
         Counter::DropDsrFibOther,
         Counter::DropDsrVlan,
+        Counter::FibLookup,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -524,6 +528,7 @@ impl Counter {
             Counter::DropDsrTooBig => "drop_dsr_too_big",
             Counter::DropDsrFibOther => "drop_dsr_fib_other",
             Counter::DropDsrVlan => "drop_dsr_vlan",
+            Counter::FibLookup => "fib_lookup",
         }
     }
 }

@@ -141,6 +141,7 @@ pub fn next_hop(
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
     let asked = p.family;
+    count(Counter::FibLookup);
     // SAFETY: `p` is a valid, fully initialised parameter block of the size we pass.
     let rc = unsafe {
         bpf_fib_lookup(

@@ -1296,9 +1296,12 @@ fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
         client_syn(n, vip, sport)
     };
     // Each case: what, ingress, frame, verdict, the address and MAC it goes to, its counter.
+    // Once the neighbour has moved (`after`), a packet that gets the new MAC was looked up,
+    // and one that gets the old MAC was not: `fib_lookup` says so too.
     type Case<'a> = (&'a str, u32, Frame, u32, (IpAddr, [u8; 6]), Counter);
-    let check = |h: &mut Harness, cases: &[Case]| -> Result<()> {
+    let check = |h: &mut Harness, after: bool, cases: &[Case]| -> Result<()> {
         for (what, ingress, frame, verdict, (dst, dmac), counter) in cases {
+            let lookups = h.counter(Counter::FibLookup);
             let out = frame.with(|f| {
                 f.smac = MAC_G1;
                 f.dmac = *dmac;
@@ -1307,6 +1310,11 @@ fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
             });
             let (what, frame, out) = (format!("{fam} {what}"), frame.bytes(), out.bytes());
             h.expect(&what, *ingress, &frame, *verdict, &out, *counter)?;
+            let looked_up = h.counter(Counter::FibLookup) - lookups;
+            ensure!(
+                !after || looked_up == u64::from(*dmac == moved),
+                "{what}: {looked_up} FIB lookups"
+            );
         }
         Ok(())
     };
@@ -1323,7 +1331,7 @@ fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
                 ("SYN to a backend on g1", g0, a.clone(), redirect, kept, new),
                 ("SYN behind a router", g0, r1, redirect, routed, new),
             ];
-            check(h, &cases)?;
+            check(h, false, &cases)?;
             // Flow a's own answer, made a second old: its next packet needs another.
             let key = flow_key(n, n.vip, a.sport);
             let mut e = h.dp.flow_table().get(&key, 0)?;
@@ -1344,7 +1352,7 @@ fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
                     ("routed SYN: looked up", g0, r2, redirect, routed_new, new),
                     ("SYN in from g1: looked up", g1, c, XDP_TX, looked_up, new),
                 ];
-                check(h, &cases)
+                check(h, true, &cases)
             })
         })();
         if epoch() != at {
@@ -1357,6 +1365,7 @@ fn share_the_next_hop(h: &mut Harness, n: &Net) -> Result<()> {
             next_epoch();
             check(
                 h,
+                true,
                 &[("next epoch: looked up", g0, d, redirect, looked_up, new)],
             )
         });
