@@ -155,7 +155,8 @@ pub fn call(socket: &Path, request: &Request) -> Result<Response> {
 }
 
 /// The pool as a table whose first columns are the operator's:
-/// `server running waiting kv-mem ttft-ms state`, then weight, flows, new/s.
+/// `server running waiting kv-mem ttft-ms state`, then weight, flows, new/s; below it, why
+/// each server that is DOWN failed its last check.
 pub fn render(view: &PoolView) -> String {
     let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     let mut rows = vec![[
@@ -179,12 +180,16 @@ pub fn render(view: &PoolView) -> String {
         Forwarding::Nat => "",
         Forwarding::Dsr => ", direct server return",
     };
-    format!(
+    let mut out = format!(
         "pool {} (VIP {}{mode})\n{}",
         view.pool,
         view.vip,
         columns(&rows)
-    )
+    );
+    for s in view.servers.iter().filter(|s| s.state == "DOWN") {
+        let _ = writeln!(out, "{} is DOWN: {}", s.server, s.health);
+    }
+    out
 }
 
 /// The buckets in use: `bucket hinted home warm`, and where balancing moved a home, the
@@ -265,6 +270,10 @@ mod tests {
             servers: vec![
                 row("10.4.0.11:8000", Some(0.61), Some(240.0), "UP"),
                 row("10.4.0.14:8000", None, None, "DRAINING"),
+                ServerRow {
+                    health: "failed: no answer in 2000 ms".into(),
+                    ..row("10.4.0.12:8000", None, None, "DOWN")
+                },
             ],
         };
         let text = render(&view);
@@ -289,6 +298,12 @@ mod tests {
         );
         let second: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         assert_eq!(second[3..6], ["-", "-", "DRAINING"]);
+        let third: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+        assert_eq!(third[5], "DOWN");
+        assert_eq!(
+            lines.collect::<Vec<_>>(),
+            ["10.4.0.12:8000 is DOWN: failed: no answer in 2000 ms"]
+        );
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::{
     health::{Outcome, Track, Transition},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
+    route::NotDirect,
     sync,
 };
 
@@ -116,6 +117,8 @@ pub struct ScrapeTarget {
 pub struct HealthTarget {
     pub key: ServerKey,
     pub model: Option<String>,
+    /// In a pool with direct server return: the server must be on a link of the gateway.
+    pub direct: bool,
 }
 
 pub struct Controller {
@@ -635,11 +638,19 @@ impl Controller {
     }
 
     pub fn health_targets(&self) -> Vec<HealthTarget> {
+        let dsr: HashSet<&str> = self
+            .config
+            .pool
+            .iter()
+            .filter(|p| p.forwarding == Forwarding::Dsr)
+            .map(|p| p.name.as_str())
+            .collect();
         self.servers
             .iter()
             .map(|(key, s)| HealthTarget {
                 key: key.clone(),
                 model: s.model.clone(),
+                direct: dsr.contains(key.0.as_str()),
             })
             .collect()
     }
@@ -688,7 +699,7 @@ impl Controller {
                     .is_some_and(|r| r.waiting >= f64::from(spill_waiting) || full(r));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
-                Err(e) if queued && !refused(e) => Outcome::Busy,
+                Err(e) if queued && !conclusive(e) => Outcome::Busy,
                 Err(_) => Outcome::Failed,
             };
             s.health = match (&result, outcome) {
@@ -984,13 +995,15 @@ impl Controller {
     }
 }
 
-/// The server refused the connection: nothing listens, which no queue explains.
-fn refused(e: &anyhow::Error) -> bool {
+/// A failed check that no queue explains: the server refused the connection (nothing
+/// listens), or the gateway cannot hand it a DSR pool's packets.
+fn conclusive(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<reqwest::Error>()
             .is_some_and(|r| r.is_connect())
             || c.downcast_ref::<std::io::Error>()
                 .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+            || c.is::<NotDirect>()
     })
 }
 
@@ -1007,5 +1020,26 @@ pub fn state_name(s: State) -> &'static str {
         State::Up => "UP",
         State::Down => "DOWN",
         State::Draining => "DRAINING",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_behind_a_router_is_never_merely_busy() {
+        let routed = anyhow::Error::new(NotDirect::Routed {
+            to: "10.4.0.12".parse().unwrap(),
+            router: "10.4.0.13".into(),
+            dev: String::new(),
+        })
+        .context("health check");
+        assert!(conclusive(&routed));
+        let refused =
+            anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(conclusive(&refused));
+        let slow = anyhow::anyhow!("no answer in 2000 ms");
+        assert!(!conclusive(&slow), "a slow answer may be a queue");
     }
 }

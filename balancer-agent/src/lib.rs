@@ -14,6 +14,7 @@ pub mod objects;
 pub mod pins;
 pub mod plan;
 pub mod policy;
+pub mod route;
 pub mod run;
 pub mod scrape;
 pub mod sync;

@@ -28,6 +28,7 @@ use crate::{
     exporter,
     health::Checker,
     pins::Pins,
+    route::Routes,
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
     sync,
 };
@@ -94,10 +95,11 @@ pub async fn run(config_path: &Path) -> Result<()> {
         "ready"
     );
 
+    let routes = Routes::new()?;
     let mut tasks = vec![
         tokio::spawn(scrape_loop(ctl.clone())),
         tokio::spawn(fold_loop(ctl.clone())),
-        tokio::spawn(health_loop(ctl.clone())),
+        tokio::spawn(health_loop(ctl.clone(), routes)),
         tokio::spawn(serve(listener, ctl.clone())),
     ];
     if let Some(listener) = metrics {
@@ -259,8 +261,9 @@ async fn fold_loop(ctl: Shared) {
     }
 }
 
-/// One-token completions to every server, on their own schedule.
-async fn health_loop(ctl: Shared) {
+/// One-token completions to every server, on their own schedule; for a DSR pool's server,
+/// first the kernel's route to it (see `route`).
+async fn health_loop(ctl: Shared, routes: Routes) {
     loop {
         let (targets, interval, timeout_ms) = {
             let c = lock(&ctl);
@@ -274,11 +277,14 @@ async fn health_loop(ctl: Shared) {
         match Checker::new(Duration::from_millis(timeout_ms)) {
             Ok(checker) => {
                 let results = join_all(targets.into_iter().map(|t| {
-                    let checker = &checker;
+                    let (checker, routes) = (&checker, &routes);
                     async move {
                         let api = t.key.1;
                         let limit = Duration::from_millis(timeout_ms);
                         let result = async {
+                            if t.direct {
+                                routes.direct(api).await?;
+                            }
                             let model = match t.model {
                                 Some(m) => m,
                                 None => checker.discover_model(api).await?,

@@ -8,7 +8,11 @@
 //! return once its streams ended, though the gateway sees only the client's half of each
 //! connection (its FIN). No answer may pass the gateway: the client receives nothing on its
 //! link to the gateway and every token on its link to the switch, and the program translated
-//! no reply and dropped nothing. A reload that would switch the pools to NAT is refused.
+//! no reply and dropped nothing. Then another server becomes reachable from the gateway only
+//! through a router: scrapes and checks still reach it, but the program could not hand it a
+//! packet; its health check must say so and take it down before any connection is lost on
+//! it, and bring it back once its route is direct again. A reload that would switch the
+//! pools to NAT is refused.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -54,6 +58,95 @@ fn streams_answered_directly_by_the_servers() {
     check_nothing_remains().unwrap();
 }
 
+/// Backend `(index + 1) % BACKENDS` becomes reachable from the gateway only through backend
+/// `(index + 2) % BACKENDS`, which forwards (sending no redirects) for both families; then
+/// its direct route comes back. `index` is the drained server, left out.
+fn routed_server(topology: &Topology, agent: &Agent, index: usize) -> Result<()> {
+    let (server, router) = ((index + 1) % BACKENDS, (index + 2) % BACKENDS);
+    let name = backend_name(server);
+    let r = topology.backend(router);
+    r.sysctl("net.ipv4.ip_forward", "1")?;
+    r.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
+    r.sysctl("net.ipv4.conf.eth0.send_redirects", "0")?;
+    r.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let gw = topology.gw();
+    let routes: Vec<String> = POOLS
+        .iter()
+        .map(|&(_, family)| {
+            let len = if family == Family::V4 { 32 } else { 128 };
+            format!(
+                "{}/{len} via {} dev g1",
+                family.backend(server),
+                family.backend(router)
+            )
+        })
+        .collect();
+    for route in &routes {
+        gw.ip(&["route", "add"]
+            .iter()
+            .copied()
+            .chain(route.split(' '))
+            .collect::<Vec<_>>())?;
+    }
+    let before = agent.counters()?;
+    let timing = (Duration::from_secs(10), Duration::from_millis(50));
+    for (pool, family) in POOLS {
+        let router = family.backend(router).to_string();
+        let down = |view: &PoolView| {
+            let row = view.server(family.backend(server))?;
+            Ok(row.state == "DOWN" && row.health.contains(&format!("through the router {router}")))
+        };
+        let (view, _) = agent
+            .wait_show(pool, &format!("{name} DOWN, behind {router}"), timing, down)
+            .context("a server behind a router stayed UP")?;
+        println!("{pool}: {}", view.server(family.backend(server))?.health);
+        let table = agent.cli(&["show", "pool", pool])?;
+        ensure!(
+            table.contains(&format!(
+                "{} is DOWN: failed: ",
+                SocketAddr::new(family.backend(server), BACKEND_PORT)
+            )) && table.contains("through the router"),
+            "show does not say why {name} is DOWN:\n{table}"
+        );
+    }
+    let client = topology.client();
+    let probes = client.enter(|| {
+        (0..PROBES)
+            .map(|k| {
+                let body = json!({"prompt": format!("probe {k} while routed"), "max_tokens": 2});
+                let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
+                ensure!(reply.status() == 200, "probe {k}: {}", reply.status());
+                Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    ensure!(
+        !probes.contains(&name),
+        "a new connection reached {name}, behind a router: {probes:?}"
+    );
+    let after = agent.counters()?;
+    let routed = |c: &std::collections::BTreeMap<String, u64>| {
+        c.get("drop_dsr_routed").copied().unwrap_or(0)
+    };
+    ensure!(
+        routed(&after) == routed(&before),
+        "{} packets dropped for a router between the gateway and {name}",
+        routed(&after) - routed(&before)
+    );
+    for route in &routes {
+        gw.ip(&["route", "del"]
+            .iter()
+            .copied()
+            .chain(route.split(' '))
+            .collect::<Vec<_>>())?;
+    }
+    for (pool, family) in POOLS {
+        let up = |view: &PoolView| Ok(view.server(family.backend(server))?.state == "UP");
+        agent.wait_show(pool, &format!("{name} UP, on the link again"), timing, up)?;
+    }
+    Ok(())
+}
+
 /// Packets received so far on the client's interface `dev`.
 fn rx_packets(client: &Netns, dev: &str) -> Result<u64> {
     let json: Value = serde_json::from_str(&client.ip(&["-j", "-s", "link", "show", dev])?)?;
@@ -81,6 +174,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     let _sims = SimBackends::start(topology, Path::new(SIM), &args)?;
     let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
     config.agent.scrape_interval_ms = Some(500);
+    config.agent.health_interval_ms = Some(500);
     for pool in &mut config.pools {
         pool.forwarding = Some("dsr".to_owned());
     }
@@ -221,6 +315,8 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         .filter(|(name, value)| name.starts_with("drop_dsr") && **value > 0)
         .collect();
     ensure!(drops.is_empty(), "packets dropped: {drops:?}");
+
+    routed_server(topology, &agent, index)?;
 
     // A reload may not switch the pools back to NAT under their connections.
     let mut nat = config.clone();

@@ -1,0 +1,289 @@
+//! The gateway's way to a server, as its kernel routes it: for direct server return, a
+//! server must be on one of the gateway's links. The program hands the client's packet,
+//! still addressed to the VIP, to the server's MAC and drops it when the FIB names a router
+//! instead (`drop_dsr_routed`): a router would send it back to the VIP. Scrapes and health
+//! checks are routed like any traffic and reach such a server all the same, so the health
+//! check of a DSR server asks the FIB first, as `ip route get fibmatch` does, and a server
+//! behind a router fails it with the router named, before it takes connections that would be
+//! lost. The FIB entry, not the route the stack would use: that one may hold exceptions (a
+//! redirect, say) that `bpf_fib_lookup` does not see.
+
+use std::{
+    ffi::CStr,
+    net::{IpAddr, SocketAddr},
+};
+
+use anyhow::{Context, Result};
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteFlags, RouteMessage, RouteType, RouteVia,
+};
+use rtnetlink::{Handle, RouteMessageBuilder};
+
+const IPPROTO_TCP: u8 = 6;
+
+/// Why packets to a server would not reach it directly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotDirect {
+    #[error(
+        "the gateway reaches {to} through the router {router}{dev}, not on a link of its own: \
+         with direct server return the router would get packets addressed to the VIP"
+    )]
+    Routed {
+        to: IpAddr,
+        router: String,
+        dev: String,
+    },
+    #[error("{to} is an address of the gateway itself")]
+    Local { to: IpAddr },
+    #[error("no route to {to} ({kind})")]
+    NoRoute { to: IpAddr, kind: String },
+}
+
+/// Asks the kernel's FIB, over rtnetlink, in the agent's network namespace.
+#[derive(Clone)]
+pub struct Routes {
+    handle: Handle,
+}
+
+impl Routes {
+    /// Opens the rtnetlink socket; its connection runs as a task of the current runtime.
+    pub fn new() -> Result<Self> {
+        let (connection, handle, _) =
+            rtnetlink::new_connection().context("opening an rtnetlink socket")?;
+        tokio::spawn(connection);
+        Ok(Routes { handle })
+    }
+
+    /// Ok when the FIB's next hop for TCP to `server` is the server itself on a link (on every
+    /// path, if the route has several).
+    pub async fn direct(&self, server: SocketAddr) -> Result<()> {
+        let to = server.ip();
+        let prefix = if to.is_ipv4() { 32 } else { 128 };
+        let mut request = RouteMessageBuilder::<IpAddr>::new()
+            .destination_prefix(to, prefix)
+            .context("a route request")?
+            .ip_protocol(IPPROTO_TCP)
+            .dport(server.port())
+            .build();
+        request.header.flags = RouteFlags::FibMatch;
+        let answer = match self.handle.route().get(request).execute().try_next().await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => anyhow::bail!("the kernel gave no route for {to}"),
+            // ENETUNREACH and the like: the kernel's way of saying there is no route.
+            Err(rtnetlink::Error::NetlinkError(e)) => {
+                return Err(NotDirect::NoRoute {
+                    to,
+                    kind: e.to_string(),
+                }
+                .into())
+            }
+            Err(e) => return Err(e).with_context(|| format!("asking the route to {to}")),
+        };
+        verdict(to, &answer).map_err(Into::into)
+    }
+}
+
+/// What the FIB's answer for `to` means for direct server return.
+fn verdict(to: IpAddr, answer: &RouteMessage) -> Result<(), NotDirect> {
+    match answer.header.kind {
+        RouteType::Unicast => {}
+        RouteType::Local => return Err(NotDirect::Local { to }),
+        kind => {
+            return Err(NotDirect::NoRoute {
+                to,
+                kind: format!("{kind:?}").to_lowercase(),
+            })
+        }
+    }
+    let mut oif = None;
+    let mut router = None;
+    for attribute in &answer.attributes {
+        match attribute {
+            RouteAttribute::Oif(index) => oif = Some(*index),
+            RouteAttribute::Gateway(gateway) => router = router.or(other_than(to, gateway)),
+            // An IPv4 route through an IPv6 router.
+            RouteAttribute::Via(RouteVia::Inet6(gateway)) => {
+                router = router.or(Some(gateway.to_string()))
+            }
+            // A route of several paths: the program's lookup may take any of them.
+            RouteAttribute::MultiPath(hops) => {
+                for hop in hops {
+                    for a in &hop.attributes {
+                        if let RouteAttribute::Gateway(gateway) = a {
+                            router = router.or(other_than(to, gateway));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    match router {
+        None => Ok(()),
+        Some(router) => Err(NotDirect::Routed {
+            to,
+            router,
+            dev: oif
+                .and_then(interface_name)
+                .map_or_else(String::new, |name| format!(" (dev {name})")),
+        }),
+    }
+}
+
+/// The gateway named by a route, unless it is `to` itself (a route may name its own
+/// destination as its gateway: the next hop is still the server).
+fn other_than(to: IpAddr, gateway: &RouteAddress) -> Option<String> {
+    let gateway = match gateway {
+        RouteAddress::Inet(a) => IpAddr::V4(*a),
+        RouteAddress::Inet6(a) => IpAddr::V6(*a),
+        other => return Some(format!("{other:?}")),
+    };
+    (gateway != to).then(|| gateway.to_string())
+}
+
+fn interface_name(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: the buffer holds IF_NAMESIZE bytes, as if_indextoname requires; on success it
+    // holds a NUL-terminated name.
+    let name = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: as above.
+    let name = unsafe { CStr::from_ptr(buf.as_ptr()) };
+    Some(name.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use rtnetlink::packet_route::route::{RouteNextHop, RouteType};
+
+    use super::*;
+
+    fn through(gateway: RouteAddress) -> RouteNextHop {
+        let mut hop = RouteNextHop::default();
+        hop.attributes.push(RouteAttribute::Gateway(gateway));
+        hop
+    }
+
+    fn answer(kind: RouteType, attributes: Vec<RouteAttribute>) -> RouteMessage {
+        let mut m = RouteMessage::default();
+        m.header.kind = kind;
+        m.attributes = attributes;
+        m
+    }
+
+    #[test]
+    fn only_the_server_itself_as_next_hop_is_direct() {
+        let v4: IpAddr = "10.4.0.14".parse().unwrap();
+        let v6: IpAddr = "fd00:4::14".parse().unwrap();
+        let gw4 = RouteAddress::Inet(Ipv4Addr::new(10, 4, 0, 13));
+        let gw6 = RouteAddress::Inet6("fd00:4::13".parse::<Ipv6Addr>().unwrap());
+        let lo = RouteAttribute::Oif(1);
+        let routed = |router: &str| {
+            Err(NotDirect::Routed {
+                to: v4,
+                router: router.into(),
+                dev: " (dev lo)".into(),
+            })
+        };
+        let cases: Vec<(&str, IpAddr, RouteMessage, Result<(), NotDirect>)> = vec![
+            (
+                "on a link",
+                v4,
+                answer(RouteType::Unicast, vec![lo.clone()]),
+                Ok(()),
+            ),
+            (
+                "its own address as gateway",
+                v4,
+                answer(
+                    RouteType::Unicast,
+                    vec![
+                        RouteAttribute::Gateway(RouteAddress::Inet(Ipv4Addr::new(10, 4, 0, 14))),
+                        lo.clone(),
+                    ],
+                ),
+                Ok(()),
+            ),
+            (
+                "through a router",
+                v4,
+                answer(
+                    RouteType::Unicast,
+                    vec![RouteAttribute::Gateway(gw4.clone()), lo.clone()],
+                ),
+                routed("10.4.0.13"),
+            ),
+            (
+                "IPv4 through an IPv6 router",
+                v4,
+                answer(
+                    RouteType::Unicast,
+                    vec![
+                        RouteAttribute::Via(RouteVia::Inet6("fe80::1".parse().unwrap())),
+                        lo.clone(),
+                    ],
+                ),
+                routed("fe80::1"),
+            ),
+            (
+                "one of several paths through a router",
+                v4,
+                answer(
+                    RouteType::Unicast,
+                    vec![
+                        RouteAttribute::MultiPath(vec![RouteNextHop::default(), through(gw4)]),
+                        lo.clone(),
+                    ],
+                ),
+                routed("10.4.0.13"),
+            ),
+            (
+                "IPv6 through a router",
+                v6,
+                answer(RouteType::Unicast, vec![RouteAttribute::Gateway(gw6)]),
+                Err(NotDirect::Routed {
+                    to: v6,
+                    router: "fd00:4::13".into(),
+                    dev: String::new(),
+                }),
+            ),
+            (
+                "an address of ours",
+                v4,
+                answer(RouteType::Local, vec![lo]),
+                Err(NotDirect::Local { to: v4 }),
+            ),
+            (
+                "unreachable",
+                v6,
+                answer(RouteType::Unreachable, vec![]),
+                Err(NotDirect::NoRoute {
+                    to: v6,
+                    kind: "unreachable".into(),
+                }),
+            ),
+        ];
+        for (what, to, answer, want) in cases {
+            assert_eq!(verdict(to, &answer), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn the_message_names_the_router_and_the_link() {
+        let e = NotDirect::Routed {
+            to: "10.4.0.14".parse().unwrap(),
+            router: "10.4.0.13".into(),
+            dev: " (dev g1)".into(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.contains("through the router 10.4.0.13 (dev g1)"),
+            "{text}"
+        );
+    }
+}
