@@ -56,7 +56,8 @@ impl Routes {
     }
 
     /// Ok when the FIB's next hop for TCP to `server` is the server itself on a link (on every
-    /// path, if the route has several).
+    /// path, if the route has several); a [`NotDirect`] error when it is not, any other when
+    /// the kernel could not be asked.
     pub async fn direct(&self, server: SocketAddr) -> Result<()> {
         let to = server.ip();
         let prefix = if to.is_ipv4() { 32 } else { 128 };
