@@ -11,7 +11,8 @@ use std::{
 
 use balancer_common::{
     hint::{HintRange, DEFAULT_HINT_BUCKETS},
-    DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_REPLY_VIPS, MAX_VIPS,
+    DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_INTERFACES, MAX_REPLY_VIPS,
+    MAX_VIPS,
 };
 use serde::Deserialize;
 
@@ -390,6 +391,12 @@ impl Config {
             return Err((
                 "agent.interfaces".into(),
                 "needs at least one interface".into(),
+            ));
+        }
+        if a.interfaces.len() > MAX_INTERFACES as usize {
+            return Err((
+                "agent.interfaces".into(),
+                format!("at most {MAX_INTERFACES} interfaces"),
             ));
         }
         let mut seen = HashSet::new();

@@ -11,7 +11,9 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf},
+    maps::{
+        Array, DevMapHash, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf,
+    },
     programs::{
         links::{FdLink, PinnedLink},
         xdp::{XdpLink, XdpLinkId},
@@ -128,6 +130,8 @@ pub struct Dataplane {
     /// The flow table's id, for a handle of its own (`sync::live_flows`).
     flows_id: u32,
     replies: BpfHashMap<MapData, ReplyKey, Replies>,
+    /// The interfaces the program may send frames out of.
+    egress: DevMapHash<MapData>,
     buckets: Array<MapData, Bucket>,
     /// `BackendLoad` per backend: three slots each.
     load: MappedSlots,
@@ -152,6 +156,16 @@ pub struct Dataplane {
     pins: Option<Pins>,
     /// The maps came from an earlier agent's pins.
     inherited: bool,
+}
+
+/// The index of interface `name` in the agent's network namespace.
+fn interface_index(name: &str) -> Result<u32> {
+    let c = std::ffi::CString::new(name).with_context(|| format!("interface {name:?}"))?;
+    // SAFETY: a NUL-terminated string that outlives the call.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => bail!("no interface {name}: {}", std::io::Error::last_os_error()),
+        index => Ok(index),
+    }
 }
 
 fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map> {
@@ -202,6 +216,7 @@ impl Dataplane {
         };
         let flows = BpfHashMap::try_from(flows)?;
         let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
+        let egress = DevMapHash::try_from(take(&mut ebpf, "EGRESS")?)?;
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
         let opens = MappedSlots::new(take(&mut ebpf, "OPENS")?, "OPENS", MAX_BACKENDS)?;
@@ -223,6 +238,7 @@ impl Dataplane {
             flows,
             flows_id,
             replies,
+            egress,
             buckets,
             load,
             opens,
@@ -399,6 +415,8 @@ impl Dataplane {
     /// whose link an earlier agent pinned gets this program swapped into that link, and a
     /// new link is pinned.
     pub fn attach(&mut self, interfaces: &[String]) -> Result<()> {
+        // Before the program runs anywhere: its redirects go only to these.
+        self.set_egress(interfaces)?;
         for name in interfaces {
             if self.links.contains_key(name) {
                 continue;
@@ -438,6 +456,31 @@ impl Dataplane {
             .collect();
         for name in stale {
             self.detach_one(&name)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `interfaces` the only ones the program sends frames out of, other than the one
+    /// a frame came in on (`EGRESS`).
+    pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
+        let mut wanted = HashSet::new();
+        for name in interfaces {
+            let index = interface_index(name)?;
+            wanted.insert(index);
+            self.egress
+                .insert(index, index, None, 0)
+                .with_context(|| format!("letting the program send out of {name}"))?;
+        }
+        let stale: Vec<u32> = self
+            .egress
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|i| !wanted.contains(i))
+            .collect();
+        for index in stale {
+            self.egress
+                .remove(index)
+                .with_context(|| format!("removing interface {index} from EGRESS"))?;
         }
         Ok(())
     }

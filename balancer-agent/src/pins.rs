@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapInfo, MapType};
-use aya_obj::generated::bpf_map_type;
+use aya_obj::generated::{bpf_map_type, BPF_F_RDONLY_PROG};
 use balancer_common::PIN_LAYOUT;
 use tracing::warn;
 
@@ -77,12 +77,17 @@ impl Pins {
                 let kind = bpf_map_type::try_from(m.map_type())
                     .ok()
                     .and_then(|t| MapType::try_from(t).ok());
+                // The kernel makes device maps read-only to programs itself.
+                let added = match kind {
+                    Some(MapType::DevMap | MapType::DevMapHash) => BPF_F_RDONLY_PROG,
+                    _ => 0,
+                };
                 let shape = Shape {
                     kind,
                     key_size: m.key_size(),
                     value_size: m.value_size(),
                     max_entries,
-                    flags: m.map_flags(),
+                    flags: m.map_flags() | added,
                 };
                 (name.clone(), shape)
             })
@@ -136,7 +141,7 @@ impl Pins {
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
     /// build, or a changed `flow_table_entries`), or only some of the maps (a missing ring
-    /// buffer or next-hop cache is no loss: it is created). Maps of another layout that no
+    /// buffer, next-hop cache or interface list is no loss: it is created). Maps of another layout that no
     /// link uses any more are unpinned.
     pub fn inherited(&self) -> Result<bool> {
         let fix = format!(
@@ -166,9 +171,12 @@ impl Pins {
         let mut missing = Vec::new();
         for (name, path) in self.map_paths() {
             if !path.exists() {
-                // A ring or a cache holds no state to carry over: one that an earlier build
-                // did not have is created and pinned now, and the upgrade goes on.
-                if self.maps[&name].kind != Some(MapType::RingBuf) && name != "HOPS" {
+                // A ring, a cache or the list of interfaces holds no state to carry over:
+                // one that an earlier build did not have is created and pinned now (and
+                // filled before the program runs), and the upgrade goes on.
+                if self.maps[&name].kind != Some(MapType::RingBuf)
+                    && !["HOPS", "EGRESS"].contains(&name.as_str())
+                {
                     missing.push(name);
                 }
                 continue;

@@ -20,6 +20,8 @@ pub const IPPROTO_TCP: u8 = 6;
 pub const MAX_VIPS: u32 = 64;
 /// Backend ids are indices into the backends array; id 0 is reserved and never routed.
 pub const MAX_BACKENDS: u32 = 4096;
+/// Interfaces the program may be attached to, and so send frames out of (`EGRESS`).
+pub const MAX_INTERFACES: u32 = 64;
 /// Slots per Maglev table: prime, and at least 100 slots per backend for pools of up to 163
 /// servers (Cilium's default size).
 pub const MAGLEV_SIZE: u32 = 16381;
@@ -441,6 +443,12 @@ pub enum Counter {
     /// A FIB lookup (`bpf_fib_lookup`): the first packet of a flow's direction in each epoch
     /// that neither its flow's cached answer nor its backend's (`HOPS`) serves.
     FibLookup,
+    /// Rewritten, then passed to the stack: the next hop is out of an interface the program
+    /// is not attached to (not in `EGRESS`), whose driver may not transmit a frame from XDP.
+    PassEgress,
+    /// A packet for a DSR VIP whose next hop is out of an interface the program is not
+    /// attached to.
+    DropDsrEgress,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -449,7 +457,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::FibLookup as u32 + 1;
+    pub const COUNT: u32 = Counter::DropDsrEgress as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -488,6 +496,8 @@ impl Counter {
         Counter::DropDsrFibOther,
         Counter::DropDsrVlan,
         Counter::FibLookup,
+        Counter::PassEgress,
+        Counter::DropDsrEgress,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -529,6 +539,8 @@ impl Counter {
             Counter::DropDsrFibOther => "drop_dsr_fib_other",
             Counter::DropDsrVlan => "drop_dsr_vlan",
             Counter::FibLookup => "fib_lookup",
+            Counter::PassEgress => "pass_egress",
+            Counter::DropDsrEgress => "drop_dsr_egress",
         }
     }
 }

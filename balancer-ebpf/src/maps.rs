@@ -4,12 +4,13 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use balancer_common::{
     Backend, BackendHop, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry,
     FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS,
-    DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, MAX_VIPS,
+    DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
+    MAX_INTERFACES, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -50,6 +51,15 @@ pub static FLOWS: LruHashMap<FlowKey, FlowEntry> =
 /// writer races a reader.
 #[map]
 pub static HOPS: PerCpuArray<BackendHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// The interfaces the program is attached to (ifindex -> itself), the only ones it sends a
+/// frame out of other than the one it came in on: another interface's driver may not
+/// transmit frames from XDP (veth without XDP on its peer, drivers that set up their XDP
+/// transmit rings only with a program of their own) and would drop them uncounted. A next
+/// hop out of any other goes to the stack (`pass_egress`), or for DSR is dropped
+/// (`drop_dsr_egress`). Written by the agent before it attaches to an interface.
+#[map]
+pub static EGRESS: DevMapHash = DevMapHash::with_max_entries(MAX_INTERFACES, 0);
 
 /// Backend (address, port) -> the VIPs it serves. A packet from a backend is a reply of ours
 /// if the flow `its destination -> one of these VIPs` names that backend; a packet from

@@ -9,12 +9,15 @@ use aya_ebpf::{
         xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect},
+    helpers::bpf_fib_lookup,
     programs::XdpContext,
 };
 use balancer_common::{csum, Counter, NextHop, FAMILY_V4};
 
-use crate::{maps::count, parse::Packet};
+use crate::{
+    maps::{count, EGRESS},
+    parse::Packet,
+};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -210,8 +213,9 @@ pub fn next_hop(
 }
 
 /// Sends the packet to `hop`: out of a NIC, or through the stack when there is no next hop
-/// to use (`Err`: why) or the frame is VLAN-tagged. With `dsr` the packet is still
-/// addressed to the VIP, which the stack would not send to the backend: dropped instead.
+/// to use (`Err`: why), the frame is VLAN-tagged, or the next hop is out of an interface the
+/// program is not attached to. With `dsr` the packet is still addressed to the VIP, which
+/// the stack would not send to the backend: dropped instead.
 #[inline(always)]
 pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: bool) -> u32 {
     let undeliverable = if dsr { XDP_DROP } else { XDP_PASS };
@@ -230,6 +234,23 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: 
             return undeliverable;
         }
     };
+    // The target first: a frame that is not sent must reach the stack with our MAC and its
+    // TTL, or the stack would not take it. The redirect only takes effect on return.
+    let (action, sent) = if hop.ifindex == ctx.ingress_ifindex() as u32 {
+        (XDP_TX, Counter::Tx)
+    } else {
+        match EGRESS.redirect(hop.ifindex, 0) {
+            Ok(action) => (action, Counter::Redirect),
+            Err(_) => {
+                count(if dsr {
+                    Counter::DropDsrEgress
+                } else {
+                    Counter::PassEgress
+                });
+                return undeliverable;
+            }
+        }
+    };
     // We are the router now, so the TTL is ours to decrement (the stack does it for the
     // packets we pass). The parser refused TTL <= 1.
     if decrement_ttl(ctx, pkt).is_err()
@@ -239,14 +260,8 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: 
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    if hop.ifindex == ctx.ingress_ifindex() as u32 {
-        count(Counter::Tx);
-        XDP_TX
-    } else {
-        count(Counter::Redirect);
-        // SAFETY: a plain helper call; it only records the target for the driver.
-        unsafe { bpf_redirect(hop.ifindex, 0) as u32 }
-    }
+    count(sent);
+    action
 }
 
 #[inline(always)]

@@ -212,6 +212,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
         vip.shared = vip.pool.starts_with("shared");
     }
     dp.apply(&plan_maps)?;
+    dp.set_egress(&["g0".to_owned(), "g1".to_owned()])?;
     // Every bucket's home is the one backend, with room to spare: hinted SYNs take the
     // whole hint path (bucket lookup, budget check, bucket statistics).
     for vip in &plan_maps.vips {

@@ -216,10 +216,11 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     probe(topology, "after the refused start")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
-    // of shared flows and the next-hop cache are unpinned first, as a build that had
-    // neither would have left them: they hold no state, so the upgrade goes on and pins new
-    // ones.
-    let stateless = ["FLOW_EVENTS", "HOPS"]
+    // of shared flows, the next-hop cache and the interfaces to send out of are unpinned
+    // first, as a build that had none of them would have left them: they hold no state, so
+    // the upgrade goes on and pins new ones (the interfaces filled before the takeover, or
+    // the probe's packets would go to the stack).
+    let stateless = ["FLOW_EVENTS", "HOPS", "EGRESS"]
         .map(|m| pins.join(format!("maps-v{}/{m}", balancer_common::PIN_LAYOUT)));
     for map in &stateless {
         std::fs::remove_file(map).with_context(|| format!("unpinning {}", map.display()))?;
@@ -233,6 +234,11 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         );
     }
     probe(topology, "with the third agent")?;
+    let passed = third.counter("pass_egress")?;
+    ensure!(
+        passed == 0,
+        "{passed} packets went to the stack for want of an interface to send them out of"
+    );
     let mut rival = config.clone();
     rival.agent.control_socket = topology.dir().join("rival.sock");
     let refused = Agent::start_refused(topology, binary, &rival)?;

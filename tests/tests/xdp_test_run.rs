@@ -23,6 +23,8 @@ const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
 const XDP_REDIRECT: u32 = 4;
 
+/// The gateway's links, where the agent would attach the program.
+const LINKS: [&str; 2] = ["g0", "g1"];
 const MAC_CLIENT: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x22];
 const MAC_SAME_LINK: [u8; 6] = [0x02, 0, 0, 0, 0x09, 0x50];
 const MAC_BACKEND: [u8; 6] = [0x02, 0, 0, 0, 0x04, 0x11];
@@ -245,6 +247,7 @@ impl Harness {
         let mut dp = Dataplane::load(1 << 16, None)?;
         let plan = Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
         dp.apply(&plan)?;
+        dp.set_egress(&LINKS.map(String::from))?;
         for &(id, _) in &plan.backends {
             dp.set_budget(id, 1_000_000)?;
         }
@@ -369,6 +372,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             hinted_syns_go_home_then_spill(&mut h, n, multi.vip_id, &multi.table, &id)?;
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
+            sent_only_where_attached(&mut h, n)?;
         }
         Ok(())
     });
@@ -634,6 +638,60 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
 /// hop), its close is counted from the client's side alone, its replies are not ours to
 /// translate, and a packet that cannot reach the backend's MAC is dropped, never handed to
 /// the stack, which would route it by the VIP.
+/// A next hop out of an interface the program is not attached to (not in `EGRESS`): a
+/// translated packet goes to the stack translated but as it came (our MAC, its TTL), for the
+/// stack to forward; a DSR packet, still addressed to the VIP, is dropped. Once the
+/// interface is listed again, both are redirected.
+fn sent_only_where_attached(h: &mut Harness, n: &Net) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let g0 = h.g0;
+    let nat = client_syn(n, n.vip, 42001);
+    let dsr = client_syn(n, n.vip_dsr, 42002);
+    h.dp.set_egress(&["g0".to_owned()])?;
+    let unlisted = (|| {
+        h.expect(
+            &format!("{fam} SYN, out of an interface not ours"),
+            g0,
+            &nat.bytes(),
+            XDP_PASS,
+            &nat.with(|f| f.dst = n.backend).bytes(),
+            Counter::PassEgress,
+        )?;
+        h.expect_untouched(
+            &format!("{fam} DSR SYN, out of an interface not ours"),
+            g0,
+            &dsr.bytes(),
+            XDP_DROP,
+            Counter::DropDsrEgress,
+        )
+    })();
+    h.dp.set_egress(&LINKS.map(String::from))?;
+    unlisted?;
+    for (what, frame) in [("ACK", &nat), ("DSR ACK", &dsr)] {
+        let ack = frame.with(|f| f.flags = "A");
+        let translated = if frame.dst == n.vip {
+            n.backend
+        } else {
+            frame.dst
+        };
+        h.expect(
+            &format!("{fam} {what}, out of an interface listed again"),
+            g0,
+            &ack.bytes(),
+            XDP_REDIRECT,
+            &ack.with(|f| {
+                f.smac = MAC_G1;
+                f.dmac = MAC_BACKEND;
+                f.dst = translated;
+                f.ttl -= 1;
+            })
+            .bytes(),
+            Counter::Redirect,
+        )?;
+    }
+    Ok(())
+}
+
 fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let (g0, g1) = (h.g0, h.g1);
