@@ -724,6 +724,9 @@ metrics_port = 8001
 
     #[test]
     fn bad_values_name_file_key_and_problem() {
+        // One more than the program's map of interfaces to send out of holds.
+        let names: Vec<String> = (0..=MAX_INTERFACES).map(|i| format!("\"e{i}\"")).collect();
+        let too_many_interfaces = format!("interfaces = [{}]", names.join(", "));
         let cases: &[(&str, &str, &str)] = &[
             ("weight = 100", "weight = \"heavy\"", "weight"),
             ("weight = 100", "weight = -1", "weight"),
@@ -757,6 +760,11 @@ metrics_port = 8001
             (
                 "interfaces = [\"eth0\", \"eth1\"]",
                 "interfaces = []",
+                "agent.interfaces",
+            ),
+            (
+                "interfaces = [\"eth0\", \"eth1\"]",
+                &too_many_interfaces,
                 "agent.interfaces",
             ),
             (
