@@ -1,11 +1,12 @@
 //! The gateway's way to a server, as its kernel routes it: for direct server return, a
-//! server must be on one of the gateway's links. The program hands the client's packet,
-//! still addressed to the VIP, to the server's MAC and drops it when the FIB names a router
-//! instead (`drop_dsr_routed`): a router would send it back to the VIP. Scrapes and health
-//! checks are routed like any traffic and reach such a server all the same, so the health
-//! check of a DSR server asks the FIB first, as `ip route get fibmatch` does, and a server
-//! behind a router fails it with the router named, before it takes connections that would be
-//! lost. The FIB entry, not the route the stack would use: that one may hold exceptions (a
+//! server must be on a link of the gateway that the program is attached to. The program hands
+//! the client's packet, still addressed to the VIP, to the server's MAC, and drops it when
+//! the FIB names a router instead (`drop_dsr_routed`: a router would send it back to the
+//! VIP) or an interface it is not attached to (`drop_dsr_egress`). Scrapes and health checks
+//! are routed like any traffic and reach such a server all the same, so the health check of
+//! a DSR server asks the FIB first, as `ip route get fibmatch` does, and a server behind a
+//! router or another interface fails it, the reason named, before it takes connections that
+//! would be lost. The FIB entry, not the route the stack would use: that one may hold exceptions (a
 //! redirect, say) that `bpf_fib_lookup` does not see.
 
 use std::{
@@ -34,6 +35,11 @@ pub enum NotDirect {
         router: String,
         dev: String,
     },
+    #[error(
+        "the gateway reaches {to} through {dev}, which is not in agent.interfaces: the program \
+         sends frames only out of interfaces it is attached to"
+    )]
+    Unattached { to: IpAddr, dev: String },
     #[error("{to} is an address of the gateway itself")]
     Local { to: IpAddr },
     #[error("no route to {to} ({kind})")]
@@ -56,9 +62,9 @@ impl Routes {
     }
 
     /// Ok when the FIB's next hop for TCP to `server` is the server itself on a link (on every
-    /// path, if the route has several); a [`NotDirect`] error when it is not, any other when
-    /// the kernel could not be asked.
-    pub async fn direct(&self, server: SocketAddr) -> Result<()> {
+    /// path, if the route has several) of the `attached` interfaces; a [`NotDirect`] error
+    /// when it is not, any other when the kernel could not be asked.
+    pub async fn direct(&self, server: SocketAddr, attached: &[String]) -> Result<()> {
         let to = server.ip();
         let prefix = if to.is_ipv4() { 32 } else { 128 };
         let mut request = RouteMessageBuilder::<IpAddr>::new()
@@ -81,12 +87,13 @@ impl Routes {
             }
             Err(e) => return Err(e).with_context(|| format!("asking the route to {to}")),
         };
-        verdict(to, &answer).map_err(Into::into)
+        verdict(to, &answer, attached).map_err(Into::into)
     }
 }
 
-/// What the FIB's answer for `to` means for direct server return.
-fn verdict(to: IpAddr, answer: &RouteMessage) -> Result<(), NotDirect> {
+/// What the FIB's answer for `to` means for direct server return from the `attached`
+/// interfaces.
+fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(), NotDirect> {
     match answer.header.kind {
         RouteType::Unicast => {}
         RouteType::Local => return Err(NotDirect::Local { to }),
@@ -120,15 +127,17 @@ fn verdict(to: IpAddr, answer: &RouteMessage) -> Result<(), NotDirect> {
             _ => {}
         }
     }
-    match router {
-        None => Ok(()),
-        Some(router) => Err(NotDirect::Routed {
+    let dev = oif.and_then(interface_name);
+    if let Some(router) = router {
+        return Err(NotDirect::Routed {
             to,
             router,
-            dev: oif
-                .and_then(interface_name)
-                .map_or_else(String::new, |name| format!(" (dev {name})")),
-        }),
+            dev: dev.map_or_else(String::new, |name| format!(" (dev {name})")),
+        });
+    }
+    match dev {
+        Some(dev) if !attached.contains(&dev) => Err(NotDirect::Unattached { to, dev }),
+        _ => Ok(()),
     }
 }
 
@@ -270,8 +279,18 @@ mod tests {
             ),
         ];
         for (what, to, answer, want) in cases {
-            assert_eq!(verdict(to, &answer), want, "{what}");
+            assert_eq!(verdict(to, &answer, &["lo".into()]), want, "{what}");
         }
+        // Interface 1 is the loopback in every namespace.
+        let on_lo = answer(RouteType::Unicast, vec![RouteAttribute::Oif(1)]);
+        assert_eq!(
+            verdict(v4, &on_lo, &["eth0".into()]),
+            Err(NotDirect::Unattached {
+                to: v4,
+                dev: "lo".into()
+            }),
+            "on a link the program is not attached to"
+        );
     }
 
     #[test]

@@ -265,25 +265,26 @@ async fn fold_loop(ctl: Shared) {
 /// first the kernel's route to it (see `route`).
 async fn health_loop(ctl: Shared, routes: Routes) {
     loop {
-        let (targets, interval, timeout_ms) = {
+        let (targets, interval, timeout_ms, attached) = {
             let c = lock(&ctl);
             (
                 c.health_targets(),
                 c.health_interval(),
                 c.config().agent.health_timeout_ms,
+                c.config().agent.interfaces.clone(),
             )
         };
         let next = Instant::now() + interval;
         match Checker::new(Duration::from_millis(timeout_ms)) {
             Ok(checker) => {
                 let results = join_all(targets.into_iter().map(|t| {
-                    let (checker, routes) = (&checker, &routes);
+                    let (checker, routes, attached) = (&checker, &routes, &attached);
                     async move {
                         let api = t.key.1;
                         let limit = Duration::from_millis(timeout_ms);
                         let result = async {
                             if t.direct {
-                                match routes.direct(api).await {
+                                match routes.direct(api, attached).await {
                                     Err(e) if e.is::<NotDirect>() => return Err(e),
                                     // Our failure, not the server's: the program still
                                     // refuses a router (`drop_dsr_routed`).

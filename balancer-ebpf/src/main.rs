@@ -307,7 +307,9 @@ fn new_flow(
         if pkt.vlan {
             return Err(Counter::DropDsrVlan);
         }
-        hop?;
+        if !nat::can_send(ctx, hop?.ifindex) {
+            return Err(Counter::DropDsrEgress);
+        }
     }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);

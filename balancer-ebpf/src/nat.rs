@@ -212,6 +212,13 @@ pub fn next_hop(
     }
 }
 
+/// Whether a frame may leave through `ifindex`: the interface it came in on, or one the
+/// program is attached to (`EGRESS`).
+#[inline(always)]
+pub fn can_send(ctx: &XdpContext, ifindex: u32) -> bool {
+    ifindex == ctx.ingress_ifindex() as u32 || EGRESS.get(ifindex).is_some()
+}
+
 /// Sends the packet to `hop`: out of a NIC, or through the stack when there is no next hop
 /// to use (`Err`: why), the frame is VLAN-tagged, or the next hop is out of an interface the
 /// program is not attached to. With `dsr` the packet is still addressed to the VIP, which

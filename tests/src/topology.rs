@@ -261,6 +261,15 @@ impl Topology {
         ping(&self.client, "fd00:4::11")
     }
 
+    /// A link `dev` of the gateway to the servers' switch, without addresses of its own and
+    /// without any XDP program on either end: the agent does not list it.
+    pub fn unattached_gateway_link(&self, dev: &str) -> Result<()> {
+        let port = format!("s{dev}");
+        veth(&self.gw, dev, &self.sw, &port)?;
+        ip(&self.sw, &format!("link set {port} master br0"))?;
+        Ok(())
+    }
+
     /// The backends' route to the client's network: over the client's own link to the switch
     /// (`direct`, after [`Topology::direct_return`]), or through the gateway, as built.
     pub fn route_answers(&self, direct: bool) -> Result<()> {

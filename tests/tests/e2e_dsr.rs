@@ -9,9 +9,10 @@
 //! connection (its FIN). No answer may pass the gateway: the client receives nothing on its
 //! link to the gateway and every token on its link to the switch, and the program translated
 //! no reply and dropped nothing. Then another server becomes reachable from the gateway only
-//! through a router: scrapes and checks still reach it, but the program could not hand it a
-//! packet; its health check must say so and take it down before any connection is lost on
-//! it, and bring it back once its route is direct again. A reload that would switch the
+//! through a router, then only out of an interface the program does not run on: scrapes and
+//! checks still reach it, but the program could not hand it a packet; its health check must
+//! say so and take it down before any connection is lost on it, and bring it back once its
+//! route is direct again. A reload that would switch the
 //! pools to NAT is refused.
 
 use std::collections::BTreeSet;
@@ -60,52 +61,83 @@ fn streams_answered_directly_by_the_servers() {
 
 /// Backend `(index + 1) % BACKENDS` becomes reachable from the gateway only through backend
 /// `(index + 2) % BACKENDS`, which forwards (sending no redirects) for both families; then
-/// its direct route comes back. `index` is the drained server, left out.
-fn routed_server(topology: &Topology, agent: &Agent, index: usize) -> Result<()> {
+/// only out of `g2`, a link of the gateway to the servers' switch where no program runs.
+/// `index` is the drained server, left out.
+fn off_the_program_s_links(topology: &Topology, agent: &Agent, index: usize) -> Result<()> {
     let (server, router) = ((index + 1) % BACKENDS, (index + 2) % BACKENDS);
-    let name = backend_name(server);
     let r = topology.backend(router);
     r.sysctl("net.ipv4.ip_forward", "1")?;
     r.sysctl("net.ipv4.conf.all.send_redirects", "0")?;
     r.sysctl("net.ipv4.conf.eth0.send_redirects", "0")?;
     r.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let via_router = |family: Family| {
+        let router = family.backend(router);
+        (
+            format!("via {router} dev g1"),
+            format!("through the router {router}"),
+        )
+    };
+    taken_down(topology, agent, server, "behind a router", via_router)?;
+    topology.unattached_gateway_link("g2")?;
+    let via_g2 = |_| {
+        (
+            "dev g2".to_owned(),
+            "through g2, which is not in agent.interfaces".to_owned(),
+        )
+    };
+    taken_down(
+        topology,
+        agent,
+        server,
+        "out of an interface without the program",
+        via_g2,
+    )
+}
+
+/// The gateway's route to backend `server` becomes `how(family)`'s route (after the
+/// destination), in both pools: its health check must fail saying `how(family)`'s reason,
+/// taking it DOWN, before a connection is lost on it; none reaches it meanwhile, none is
+/// dropped. Then the route goes and the server comes back UP.
+fn taken_down(
+    topology: &Topology,
+    agent: &Agent,
+    server: usize,
+    what: &str,
+    how: impl Fn(Family) -> (String, String),
+) -> Result<()> {
+    let name = backend_name(server);
     let gw = topology.gw();
-    let routes: Vec<String> = POOLS
-        .iter()
-        .map(|&(_, family)| {
-            let len = if family == Family::V4 { 32 } else { 128 };
-            format!(
-                "{}/{len} via {} dev g1",
-                family.backend(server),
-                family.backend(router)
-            )
-        })
-        .collect();
-    for route in &routes {
-        gw.ip(&["route", "add"]
-            .iter()
-            .copied()
-            .chain(route.split(' '))
-            .collect::<Vec<_>>())?;
+    let route = |verb: &str, family: Family| {
+        let len = if family == Family::V4 { 32 } else { 128 };
+        let route = format!(
+            "route {verb} {}/{len} {}",
+            family.backend(server),
+            how(family).0
+        );
+        gw.ip(&route.split(' ').collect::<Vec<_>>())
+    };
+    for (_, family) in POOLS {
+        route("add", family)?;
     }
     let before = agent.counters()?;
     let timing = (Duration::from_secs(10), Duration::from_millis(50));
     for (pool, family) in POOLS {
-        let router = family.backend(router).to_string();
+        let reason = how(family).1;
         let down = |view: &PoolView| {
             let row = view.server(family.backend(server))?;
-            Ok(row.state == "DOWN" && row.health.contains(&format!("through the router {router}")))
+            Ok(row.state == "DOWN" && row.health.contains(&reason))
         };
         let (view, _) = agent
-            .wait_show(pool, &format!("{name} DOWN, behind {router}"), timing, down)
-            .context("a server behind a router stayed UP")?;
+            .wait_show(pool, &format!("{name} DOWN, {reason}"), timing, down)
+            .with_context(|| format!("a server {what} stayed UP"))?;
         println!("{pool}: {}", view.server(family.backend(server))?.health);
         let table = agent.cli(&["show", "pool", pool])?;
+        let said = format!(
+            "{} is DOWN: failed: ",
+            SocketAddr::new(family.backend(server), BACKEND_PORT)
+        );
         ensure!(
-            table.contains(&format!(
-                "{} is DOWN: failed: ",
-                SocketAddr::new(family.backend(server), BACKEND_PORT)
-            )) && table.contains("through the router"),
+            table.contains(&said) && table.contains(&reason),
             "show does not say why {name} is DOWN:\n{table}"
         );
     }
@@ -113,7 +145,7 @@ fn routed_server(topology: &Topology, agent: &Agent, index: usize) -> Result<()>
     let probes = client.enter(|| {
         (0..PROBES)
             .map(|k| {
-                let body = json!({"prompt": format!("probe {k} while routed"), "max_tokens": 2});
+                let body = json!({"prompt": format!("probe {k}, {name} {what}"), "max_tokens": 2});
                 let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
                 ensure!(reply.status() == 200, "probe {k}: {}", reply.status());
                 Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
@@ -122,27 +154,23 @@ fn routed_server(topology: &Topology, agent: &Agent, index: usize) -> Result<()>
     })?;
     ensure!(
         !probes.contains(&name),
-        "a new connection reached {name}, behind a router: {probes:?}"
+        "a new connection reached {name}, {what}: {probes:?}"
     );
     let after = agent.counters()?;
-    let routed = |c: &std::collections::BTreeMap<String, u64>| {
-        c.get("drop_dsr_routed").copied().unwrap_or(0)
-    };
+    let drops: Vec<_> = after
+        .iter()
+        .filter(|(k, v)| k.starts_with("drop_dsr") && before.get(*k) != Some(*v))
+        .collect();
     ensure!(
-        routed(&after) == routed(&before),
-        "{} packets dropped for a router between the gateway and {name}",
-        routed(&after) - routed(&before)
+        drops.is_empty(),
+        "packets dropped with {name} {what}: {drops:?}"
     );
-    for route in &routes {
-        gw.ip(&["route", "del"]
-            .iter()
-            .copied()
-            .chain(route.split(' '))
-            .collect::<Vec<_>>())?;
+    for (_, family) in POOLS {
+        route("del", family)?;
     }
     for (pool, family) in POOLS {
         let up = |view: &PoolView| Ok(view.server(family.backend(server))?.state == "UP");
-        agent.wait_show(pool, &format!("{name} UP, on the link again"), timing, up)?;
+        agent.wait_show(pool, &format!("{name} UP again"), timing, up)?;
     }
     Ok(())
 }
@@ -316,7 +344,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         .collect();
     ensure!(drops.is_empty(), "packets dropped: {drops:?}");
 
-    routed_server(topology, &agent, index)?;
+    off_the_program_s_links(topology, &agent, index)?;
 
     // A reload may not switch the pools back to NAT under their connections.
     let mut nat = config.clone();

@@ -372,7 +372,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             hinted_syns_go_home_then_spill(&mut h, n, multi.vip_id, &multi.table, &id)?;
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
-            sent_only_where_attached(&mut h, n)?;
+            sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
         Ok(())
     });
@@ -640,9 +640,9 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
 /// the stack, which would route it by the VIP.
 /// A next hop out of an interface the program is not attached to (not in `EGRESS`): a
 /// translated packet goes to the stack translated but as it came (our MAC, its TTL), for the
-/// stack to forward; a DSR packet, still addressed to the VIP, is dropped. Once the
-/// interface is listed again, both are redirected.
-fn sent_only_where_attached(h: &mut Harness, n: &Net) -> Result<()> {
+/// stack to forward; a DSR packet, still addressed to the VIP, is dropped, and its SYN opens
+/// no flow on `dsr_backend`. Once the interface is listed again, both are redirected.
+fn sent_only_where_attached(h: &mut Harness, n: &Net, dsr_backend: u32) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let g0 = h.g0;
     let nat = client_syn(n, n.vip, 42001);
@@ -657,13 +657,19 @@ fn sent_only_where_attached(h: &mut Harness, n: &Net) -> Result<()> {
             &nat.with(|f| f.dst = n.backend).bytes(),
             Counter::PassEgress,
         )?;
+        let opened = h.stats(dsr_backend).flows_opened;
         h.expect_untouched(
             &format!("{fam} DSR SYN, out of an interface not ours"),
             g0,
             &dsr.bytes(),
             XDP_DROP,
             Counter::DropDsrEgress,
-        )
+        )?;
+        ensure!(
+            h.stats(dsr_backend).flows_opened == opened,
+            "{fam}: a DSR SYN that could not be sent opened a flow"
+        );
+        Ok(())
     })();
     h.dp.set_egress(&LINKS.map(String::from))?;
     unlisted?;
