@@ -264,12 +264,12 @@ fn header(
          too (that packet cost about twice as much before, in an A/B run). The direct \
          server return rows change no address, port or checksum and cost about what the NAT \
          rows cost: the rewrite is not where the time goes.\n\
-         - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 2x \
+         - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 3x \
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ; the p50 is steady.\n\
-         - bulk throughput, where it is missed: the three systems change places from round to \
-         round and from run to run (per-round table in section 2; on 2026-11-30 ours led \
-         HAProxy by 5%, on 2026-12-01 HAProxy led ours by 19%). GRO is off on these \
+         - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
+         the last two runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29), \
+         where ours had led it by 5% on 2026-11-30 (per-round table in section 2). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
          backends' TCP stacks share the two CPUs with the gateway, so the line measures them as \
@@ -282,7 +282,8 @@ fn header(
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
-         is the sixth slowest: the same policy's p99 moves by up to a second between runs.\n\
+         is the sixth slowest: the same policy's p99 moves by more than a second between runs \
+         (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29).\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
