@@ -141,17 +141,7 @@ fn taken_down(
             "show does not say why {name} is DOWN:\n{table}"
         );
     }
-    let client = topology.client();
-    let probes = client.enter(|| {
-        (0..PROBES)
-            .map(|k| {
-                let body = json!({"prompt": format!("probe {k}, {name} {what}"), "max_tokens": 2});
-                let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
-                ensure!(reply.status() == 200, "probe {k}: {}", reply.status());
-                Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
+    let probes = probe(topology.client(), &format!("{name} {what}"))?;
     ensure!(
         !probes.contains(&name),
         "a new connection reached {name}, {what}: {probes:?}"
@@ -173,6 +163,25 @@ fn taken_down(
         agent.wait_show(pool, &format!("{name} UP again"), timing, up)?;
     }
     Ok(())
+}
+
+/// `PROBES` short completions from the client, to the two pools' VIPs in turn, each a new
+/// connection that must be answered; the server that answered each.
+fn probe(client: &Netns, when: &str) -> Result<Vec<String>> {
+    client.enter(|| {
+        (0..PROBES)
+            .map(|k| {
+                let body = json!({"prompt": format!("probe {k}, {when}"), "max_tokens": 2});
+                let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
+                ensure!(
+                    reply.status() == 200,
+                    "probe {k} {when}: {}",
+                    reply.status()
+                );
+                Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
+            })
+            .collect()
+    })
 }
 
 /// Packets received so far on the client's interface `dev`.
@@ -265,16 +274,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             .collect();
         // Both pools draining before the probes.
         thread::sleep(Duration::from_millis(300));
-        let probes = client.enter(|| {
-            (0..PROBES)
-                .map(|k| {
-                    let body = json!({"prompt": format!("probe {k}"), "max_tokens": 2});
-                    let reply = client::post(POOLS[k % 2].1.vip(), "/v1/completions", &body)?;
-                    ensure!(reply.status() == 200, "probe {k}: {}", reply.status());
-                    Ok(reply.head.header("x-backend").unwrap_or("?").to_owned())
-                })
-                .collect::<Result<Vec<_>>>()
-        });
+        let probes = probe(client, "while draining");
         let seen: Vec<_> = readers.into_iter().map(|r| r.join()).collect();
         let drains: Vec<_> = drains.into_iter().map(|d| d.join()).collect();
         (drains, probes, seen)
