@@ -141,8 +141,8 @@ impl Pins {
     /// nothing, when what is pinned does not fit: maps of another layout while links are
     /// pinned (the program attached now reads those), a map of another shape (another
     /// build, or a changed `flow_table_entries`), or only some of the maps (a missing ring
-    /// buffer, next-hop cache or interface list is no loss: it is created). Maps of another layout that no
-    /// link uses any more are unpinned.
+    /// buffer, next-hop cache or interface list is no loss: it is created). Maps of another
+    /// layout that no link uses any more are unpinned.
     pub fn inherited(&self) -> Result<bool> {
         let fix = format!(
             "`balancer-agent detach --config FILE` removes what {} holds (the connections \

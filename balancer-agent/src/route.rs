@@ -6,8 +6,8 @@
 //! are routed like any traffic and reach such a server all the same, so the health check of
 //! a DSR server asks the FIB first, as `ip route get fibmatch` does, and a server behind a
 //! router or another interface fails it, the reason named, before it takes connections that
-//! would be lost. The FIB entry, not the route the stack would use: that one may hold exceptions (a
-//! redirect, say) that `bpf_fib_lookup` does not see.
+//! would be lost. The FIB entry, not the route the stack would use: that one may hold
+//! exceptions (a redirect, say) that `bpf_fib_lookup` does not see.
 
 use std::{
     ffi::CStr,
@@ -104,11 +104,12 @@ fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(),
             })
         }
     }
-    let mut oif = None;
+    // Every interface the route leaves by, and the first router it names.
+    let mut oifs = Vec::new();
     let mut router = None;
     for attribute in &answer.attributes {
         match attribute {
-            RouteAttribute::Oif(index) => oif = Some(*index),
+            RouteAttribute::Oif(index) => oifs.push(*index),
             RouteAttribute::Gateway(gateway) => router = router.or(other_than(to, gateway)),
             // An IPv4 route through an IPv6 router.
             RouteAttribute::Via(RouteVia::Inet6(gateway)) => {
@@ -117,6 +118,7 @@ fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(),
             // A route of several paths: the program's lookup may take any of them.
             RouteAttribute::MultiPath(hops) => {
                 for hop in hops {
+                    oifs.push(hop.interface_index);
                     for a in &hop.attributes {
                         if let RouteAttribute::Gateway(gateway) = a {
                             router = router.or(other_than(to, gateway));
@@ -127,17 +129,19 @@ fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(),
             _ => {}
         }
     }
-    let dev = oif.and_then(interface_name);
+    let devs: Vec<String> = oifs.into_iter().filter_map(interface_name).collect();
     if let Some(router) = router {
         return Err(NotDirect::Routed {
             to,
             router,
-            dev: dev.map_or_else(String::new, |name| format!(" (dev {name})")),
+            dev: devs
+                .first()
+                .map_or_else(String::new, |name| format!(" (dev {name})")),
         });
     }
-    match dev {
-        Some(dev) if !attached.contains(&dev) => Err(NotDirect::Unattached { to, dev }),
-        _ => Ok(()),
+    match devs.into_iter().find(|dev| !attached.contains(dev)) {
+        Some(dev) => Err(NotDirect::Unattached { to, dev }),
+        None => Ok(()),
     }
 }
 
@@ -283,14 +287,26 @@ mod tests {
         }
         // Interface 1 is the loopback in every namespace.
         let on_lo = answer(RouteType::Unicast, vec![RouteAttribute::Oif(1)]);
-        assert_eq!(
-            verdict(v4, &on_lo, &["eth0".into()]),
-            Err(NotDirect::Unattached {
-                to: v4,
-                dev: "lo".into()
-            }),
-            "on a link the program is not attached to"
+        let mut leg_on_lo = RouteNextHop::default();
+        leg_on_lo.interface_index = 1;
+        let paths = answer(
+            RouteType::Unicast,
+            vec![RouteAttribute::MultiPath(vec![
+                RouteNextHop::default(),
+                leg_on_lo,
+            ])],
         );
+        for (what, answer) in [("on a link", on_lo), ("one of several paths", paths)] {
+            assert_eq!(verdict(v4, &answer, &["lo".into()]), Ok(()), "{what}");
+            assert_eq!(
+                verdict(v4, &answer, &["eth0".into()]),
+                Err(NotDirect::Unattached {
+                    to: v4,
+                    dev: "lo".into()
+                }),
+                "{what} the program is not attached to"
+            );
+        }
     }
 
     #[test]

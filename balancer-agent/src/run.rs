@@ -69,6 +69,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let socket_path = config.agent.control_socket.clone();
     let listener = bind_control_socket(&socket_path)?;
+    let routes = Routes::new()?;
     let entries = config.agent.flow_table_entries;
     let pins = match &config.agent.pin_dir {
         Some(dir) => Some(Pins::open(dir, entries)?),
@@ -95,7 +96,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
         "ready"
     );
 
-    let routes = Routes::new()?;
     let mut tasks = vec![
         tokio::spawn(scrape_loop(ctl.clone())),
         tokio::spawn(fold_loop(ctl.clone())),
