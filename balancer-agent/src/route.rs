@@ -5,8 +5,8 @@
 //! VIP) or an interface it is not attached to (`drop_dsr_egress`). Scrapes and health checks
 //! are routed like any traffic and reach such a server all the same, so the health check of
 //! a DSR server asks the FIB first, as `ip route get fibmatch` does, and a server behind a
-//! router or another interface fails it, the reason named, before it takes connections that
-//! would be lost. The FIB entry, not the route the stack would use: that one may hold
+//! router or another interface fails it, the reason named, and stops taking connections
+//! that would be lost. The FIB entry, not the route the stack would use: that one may hold
 //! exceptions (a redirect, say) that `bpf_fib_lookup` does not see.
 
 use std::{
