@@ -158,12 +158,12 @@ pub struct Dataplane {
     inherited: bool,
 }
 
-/// The index of interface `name` in the agent's network namespace.
-fn interface_index(name: &str) -> Result<u32> {
-    let c = std::ffi::CString::new(name).with_context(|| format!("interface {name:?}"))?;
+/// The index of interface `name` (of `agent.interfaces`) in the agent's network namespace.
+pub fn interface_index(name: &str) -> Result<u32> {
+    let c = std::ffi::CString::new(name).context("interface name")?;
     // SAFETY: a NUL-terminated string that outlives the call.
     match unsafe { libc::if_nametoindex(c.as_ptr()) } {
-        0 => bail!("no interface {name}: {}", std::io::Error::last_os_error()),
+        0 => bail!("agent.interfaces: no interface named {name:?}"),
         index => Ok(index),
     }
 }

@@ -22,6 +22,11 @@ use tracing::warn;
 
 use crate::objects;
 
+/// Maps that hold no state to carry over (the ring of shared flows, the next-hop cache, the
+/// interfaces to send out of): one that an earlier build did not pin is created and pinned
+/// (and filled before the program runs), and the upgrade goes on.
+const CREATED_IF_MISSING: [&str; 3] = ["FLOW_EVENTS", "HOPS", "EGRESS"];
+
 /// `f_type` of a bpffs mount (`BPF_FS_MAGIC`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -171,12 +176,7 @@ impl Pins {
         let mut missing = Vec::new();
         for (name, path) in self.map_paths() {
             if !path.exists() {
-                // A ring, a cache or the list of interfaces holds no state to carry over:
-                // one that an earlier build did not have is created and pinned now (and
-                // filled before the program runs), and the upgrade goes on.
-                if self.maps[&name].kind != Some(MapType::RingBuf)
-                    && !["HOPS", "EGRESS"].contains(&name.as_str())
-                {
+                if !CREATED_IF_MISSING.contains(&name.as_str()) {
                     missing.push(name);
                 }
                 continue;

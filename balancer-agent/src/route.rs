@@ -47,7 +47,6 @@ pub enum NotDirect {
 }
 
 /// Asks the kernel's FIB, over rtnetlink, in the agent's network namespace.
-#[derive(Clone)]
 pub struct Routes {
     handle: Handle,
 }

@@ -24,7 +24,7 @@ use crate::{
     config::{Config, Pool},
     control::{Request, Response},
     controller::Controller,
-    dataplane::Dataplane,
+    dataplane::{interface_index, Dataplane},
     exporter,
     health::Checker,
     pins::Pins,
@@ -156,7 +156,7 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
     let new = Config::load(path)?;
     for name in &new.agent.interfaces {
         // Checked before anything is applied, so that a typo changes nothing.
-        require_interface(name)?;
+        interface_index(name)?;
     }
     let mut c = lock(ctl);
     let old = c.config().agent.clone();
@@ -213,15 +213,6 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
         sender.set_keys(keys);
     }
     Ok(pools)
-}
-
-fn require_interface(name: &str) -> Result<()> {
-    let c = std::ffi::CString::new(name).context("interface name")?;
-    // SAFETY: a NUL-terminated string that outlives the call.
-    if unsafe { libc::if_nametoindex(c.as_ptr()) } == 0 {
-        bail!("agent.interfaces: no interface named {name:?}");
-    }
-    Ok(())
 }
 
 /// Scrapes every server concurrently, once per interval, and hands the results over. The
