@@ -317,6 +317,13 @@ fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
         if peer.port() == 0 || peer.ip().is_unspecified() {
             return Err(("sync.peers".into(), format!("{peer} cannot be a peer")));
         }
+        // Datagrams to it leave from sync.listen's address.
+        if peer.is_ipv4() != sync.listen.is_ipv4() {
+            return Err((
+                "sync.peers".into(),
+                format!("{peer} is not of sync.listen's address family"),
+            ));
+        }
         if *peer == sync.listen {
             return Err((
                 "sync.peers".into(),
@@ -507,8 +514,10 @@ impl Config {
                     format!("{}:{} is used by two pools", p.vip, p.port),
                 ));
             }
-            if p.idle_timeout_s == 0 || p.idle_timeout_s > 7 * 24 * 3600 {
-                return Err((at("idle_timeout_s"), "must be 1 s to 7 days".into()));
+            // The program refreshes a flow's last packet time once a second: a timeout of
+            // one second would expire flows that are sending.
+            if p.idle_timeout_s < 2 || p.idle_timeout_s > 7 * 24 * 3600 {
+                return Err((at("idle_timeout_s"), "must be 2 s to 7 days".into()));
             }
             if self.sync.is_some() && p.idle_timeout_s < MIN_SYNC_IDLE_TIMEOUT_S {
                 return Err((
@@ -753,6 +762,11 @@ metrics_port = 8001
                 "port",
             ),
             (
+                "port = 8000\n\n[[pool.server]]",
+                "port = 8000\nidle_timeout_s = 1\n\n[[pool.server]]",
+                "pool[0].idle_timeout_s",
+            ),
+            (
                 "metrics_port = 8001\nweight",
                 "metrics_port = 0\nweight",
                 "metrics_port",
@@ -844,6 +858,11 @@ metrics_port = 8001
                 "peers = [\"10.0.0.2:7471\"]",
                 "peers = [\"0.0.0.0:7471\"]",
                 "cannot be a peer",
+            ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"10.0.0.2:7471\", \"[fd00::2]:7471\"]",
+                "not of sync.listen's address family",
             ),
             ("10.0.0.1:7471", "10.0.0.1:0", "needs a port"),
             ("10.0.0.1:7471", "0.0.0.0:7471", "not a wildcard"),

@@ -21,10 +21,9 @@ use crate::{
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
     dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
-    health::{Outcome, Track, Transition},
+    health::{Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
-    route::NotDirect,
     sync,
 };
 
@@ -73,6 +72,37 @@ struct Server {
 }
 
 impl Server {
+    /// A server new to the agent: UP, with its configured weight until the policy decides.
+    fn new(id: u32, pool: &Pool, s: &crate::config::Server, now: Instant) -> Self {
+        Server {
+            id,
+            metrics: SocketAddr::new(s.address, s.metrics_port),
+            dialect: s.dialect.or(pool.dialect),
+            track: Track::default(),
+            draining: false,
+            drain_started: None,
+            reading: None,
+            reading_at: None,
+            ttft_ms: None,
+            ttft_at: None,
+            last_ttft: None,
+            at_scrape: BackendStats::default(),
+            now: BackendStats::default(),
+            now_at: now,
+            new_per_s: 0.0,
+            decision: Decision {
+                weight: s.weight,
+                saturated: false,
+                reason: "configured weight, no metrics yet".into(),
+            },
+            scrape_error: None,
+            health: "not checked yet".into(),
+            model: pool.model.clone(),
+            max_running: 0.0,
+            spill_hold_until: None,
+        }
+    }
+
     fn state(&self) -> State {
         if self.draining {
             State::Draining
@@ -245,10 +275,17 @@ impl Controller {
 
     /// Takes a new configuration: servers that stay keep their state (drain, health,
     /// metrics); new ones start UP with their configured weight.
+    /// A configuration whose maps cannot be written is not taken: the running one's ids are
+    /// kept and its plan is written again over whatever part of the new one got in.
     pub fn reconfigure(&mut self, config: Config) -> Result<()> {
         let weights = self.current_weights(&config);
+        let running = self.ids.clone();
         let plan = self.ids.plan(&config, &weights, Instant::now())?;
-        self.dp.apply(&plan)?;
+        if let Err(e) = self.dp.apply(&plan) {
+            self.ids = running;
+            self.refresh(true);
+            return Err(e);
+        }
         self.adopt(config, &plan);
         // New configured weights reach the maps now, not at the next fold.
         self.refresh(true);
@@ -271,33 +308,7 @@ impl Controller {
                         o.model = pool.model.clone().or(o.model);
                         o
                     }
-                    None => Server {
-                        id: *id,
-                        metrics: SocketAddr::new(s.address, s.metrics_port),
-                        dialect: s.dialect.or(pool.dialect),
-                        track: Track::default(),
-                        draining: false,
-                        drain_started: None,
-                        reading: None,
-                        reading_at: None,
-                        ttft_ms: None,
-                        ttft_at: None,
-                        last_ttft: None,
-                        at_scrape: BackendStats::default(),
-                        now: BackendStats::default(),
-                        now_at: now,
-                        new_per_s: 0.0,
-                        decision: Decision {
-                            weight: s.weight,
-                            saturated: false,
-                            reason: "configured weight, no metrics yet".into(),
-                        },
-                        scrape_error: None,
-                        health: "not checked yet".into(),
-                        model: pool.model.clone(),
-                        max_running: 0.0,
-                        spill_hold_until: None,
-                    },
+                    None => Server::new(*id, pool, s, now),
                 };
                 applied.push(server.decision.weight);
                 servers.insert(key, server);
@@ -329,25 +340,7 @@ impl Controller {
     }
 
     fn current_weights(&self, config: &Config) -> Weights {
-        let mut w = Weights::new();
-        for pool in &config.pool {
-            for s in &pool.server {
-                let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
-                if let Some(server) = self.servers.get(&key) {
-                    if server.reading.is_some() || server.state() != State::Up {
-                        w.insert(key.clone(), server.decision.weight);
-                    }
-                    // Last: a drained or DOWN server has no slot whatever its last decision.
-                    if server.draining {
-                        w.drain(key.clone());
-                    }
-                    if server.track.down {
-                        w.down(key);
-                    }
-                }
-            }
-        }
-        w
+        table_weights(config, &self.servers)
     }
 
     pub fn scrape_interval(&self) -> Duration {
@@ -699,7 +692,7 @@ impl Controller {
                     .is_some_and(|r| r.waiting >= f64::from(spill_waiting) || full(r));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
-                Err(e) if queued && !conclusive(e) => Outcome::Busy,
+                Err(e) if queued && Waited::explains(e) => Outcome::Busy,
                 Err(_) => Outcome::Failed,
             };
             s.health = match (&result, outcome) {
@@ -995,24 +988,36 @@ impl Controller {
     }
 }
 
-/// A failed check that no queue explains: the server refused the connection (nothing
-/// listens), or the gateway cannot hand it a DSR pool's packets.
-fn conclusive(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<reqwest::Error>()
-            .is_some_and(|r| r.is_connect())
-            || c.downcast_ref::<std::io::Error>()
-                .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
-            || c.is::<NotDirect>()
-    })
-}
-
 fn thresholds(pool: &Pool) -> Thresholds {
     Thresholds {
         spill_waiting: f64::from(pool.spill_waiting),
         spill_ttft_ms: f64::from(pool.spill_ttft_ms),
         kv_high: pool.kv_high,
     }
+}
+
+/// The Maglev weights of `config`'s servers that the agent knows: the policy's decisions,
+/// all on one scale (a server never scraped has its stale share of the median, not its
+/// configured weight, which is on another scale), none for a drained or DOWN server. A
+/// server new to the agent gets its configured weight from the plan.
+fn table_weights(config: &Config, servers: &HashMap<ServerKey, Server>) -> Weights {
+    let mut w = Weights::new();
+    for pool in &config.pool {
+        for s in &pool.server {
+            let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
+            if let Some(server) = servers.get(&key) {
+                w.insert(key.clone(), server.decision.weight);
+                // Last: a drained or DOWN server has no slot whatever its last decision.
+                if server.draining {
+                    w.drain(key.clone());
+                }
+                if server.track.down {
+                    w.down(key);
+                }
+            }
+        }
+    }
+    w
 }
 
 pub fn state_name(s: State) -> &'static str {
@@ -1026,20 +1031,71 @@ pub fn state_name(s: State) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::route::NotDirect;
 
+    /// Only a wait may be a queue: a refused connection, an HTTP error, a wrong answer or a
+    /// route the gateway cannot use fail the check whatever the server's queue.
     #[test]
-    fn a_server_behind_a_router_is_never_merely_busy() {
+    fn only_a_wait_may_be_busy() {
         let routed = anyhow::Error::new(NotDirect::Routed {
             to: "10.4.0.12".parse().unwrap(),
             router: "10.4.0.13".into(),
             dev: String::new(),
         })
         .context("health check");
-        assert!(conclusive(&routed));
+        assert!(!Waited::explains(&routed));
         let refused =
             anyhow::Error::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-        assert!(conclusive(&refused));
-        let slow = anyhow::anyhow!("no answer in 2000 ms");
-        assert!(!conclusive(&slow), "a slow answer may be a queue");
+        assert!(!Waited::explains(&refused));
+        let error = anyhow::anyhow!("POST http://10.4.0.12:8000/v1/completions: HTTP 500");
+        assert!(!Waited::explains(&error));
+        let slow = anyhow::Error::new(Waited::Timeout(2000));
+        assert!(Waited::explains(&slow), "a slow answer may be a queue");
+        let full = anyhow::Error::new(Waited::Overloaded(reqwest::StatusCode::SERVICE_UNAVAILABLE))
+            .context("POST http://10.4.0.12:8000/v1/completions");
+        assert!(Waited::explains(&full));
+        assert_eq!(
+            format!("{full:#}"),
+            "POST http://10.4.0.12:8000/v1/completions: HTTP 503 Service Unavailable"
+        );
+    }
+
+    /// A server whose metrics never came in gets the share the policy gave it (half the
+    /// median server's), not its configured weight beside the others' decided ones, which
+    /// are on another scale: 100 against 10000 would give it 1% of the table.
+    #[test]
+    fn a_server_never_scraped_gets_its_decided_share() {
+        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
+            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n\
+            [[pool.server]]\naddress = \"10.4.0.12\"\nport = 8000\nmetrics_port = 8001\n";
+        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
+        let now = Instant::now();
+        let pool = &config.pool[0];
+        let mut servers = HashMap::new();
+        for (i, (s, weight)) in pool.server.iter().zip([10_000, 5_000]).enumerate() {
+            let mut server = Server::new(i as u32 + 1, pool, s, now);
+            server.decision.weight = weight;
+            if i == 0 {
+                server.reading = Some(Reading {
+                    dialect: Dialect::Vllm,
+                    running: 1.0,
+                    waiting: 0.0,
+                    kv_usage: None,
+                    ttft: None,
+                });
+            }
+            servers.insert(
+                ("p".to_string(), SocketAddr::new(s.address, s.port)),
+                server,
+            );
+        }
+        let weights = table_weights(&config, &servers);
+        let plan = crate::plan::Ids::default()
+            .plan(&config, &weights, now)
+            .unwrap();
+        let table = &plan.vips[0].table;
+        let never = plan.vips[0].members[1].1;
+        let share = table.iter().filter(|id| **id == never).count() as f64 / table.len() as f64;
+        assert!((0.30..0.37).contains(&share), "share {share}");
     }
 }

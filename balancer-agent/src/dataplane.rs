@@ -324,6 +324,21 @@ impl Dataplane {
                 self.installed_replies.insert(*from, *vips);
             }
         }
+        // VIPs that leave the map go first: it holds at most `MAX_VIPS`, as many as a plan,
+        // so the plan's new keys always fit. A key is removed only when no VIP of the plan
+        // has it: a pool renamed, or two pools that swap VIPs, hand a key to another id.
+        let keys: HashSet<VipKey> = plan.vips.iter().map(|v| v.key).collect();
+        let leaving: HashSet<VipKey> = self
+            .installed
+            .values()
+            .map(|(key, _)| *key)
+            .filter(|key| !keys.contains(key))
+            .collect();
+        for key in leaving {
+            self.vips.remove(&key).context("removing a VIP")?;
+        }
+        self.installed
+            .retain(|id, _| plan.vips.iter().any(|v| v.vip_id == *id));
         for vip in &plan.vips {
             let installed = self.installed.get(&vip.vip_id).copied();
             let active = installed.map(|(_, info)| info.table);
@@ -368,21 +383,7 @@ impl Dataplane {
                 self.vips
                     .insert(vip.key, info, 0)
                     .with_context(|| format!("writing the VIP of pool {}", vip.pool))?;
-                if let Some((old_key, _)) = installed.filter(|(k, _)| *k != vip.key) {
-                    self.vips.remove(&old_key).ok();
-                }
                 self.installed.insert(vip.vip_id, (vip.key, info));
-            }
-        }
-        let gone: Vec<u32> = self
-            .installed
-            .keys()
-            .copied()
-            .filter(|id| !plan.vips.iter().any(|v| v.vip_id == *id))
-            .collect();
-        for id in gone {
-            if let Some((key, _)) = self.installed.remove(&id) {
-                self.vips.remove(&key).context("removing a VIP")?;
             }
         }
         // After the flips no table names a retired backend. Its established flows keep

@@ -58,6 +58,32 @@ impl Track {
     }
 }
 
+/// A failed check that a queue explains: no answer in time, or an answer that says the
+/// server is too busy now (HTTP 429 or 503). Only these may count as busy.
+#[derive(Debug, thiserror::Error)]
+pub enum Waited {
+    #[error("no answer in {0} ms")]
+    Timeout(u64),
+    #[error("HTTP {0}")]
+    Overloaded(reqwest::StatusCode),
+}
+
+impl Waited {
+    /// Whether `e` is such a failure, ours or reqwest's.
+    pub fn explains(e: &anyhow::Error) -> bool {
+        e.chain().any(|c| {
+            c.is::<Waited>()
+                || c.downcast_ref::<reqwest::Error>()
+                    .is_some_and(|r| r.is_timeout() || r.status().is_some_and(overloaded))
+        })
+    }
+}
+
+fn overloaded(status: reqwest::StatusCode) -> bool {
+    status == reqwest::StatusCode::TOO_MANY_REQUESTS
+        || status == reqwest::StatusCode::SERVICE_UNAVAILABLE
+}
+
 /// Sends the checks. Cheap to clone; connections are not kept, so each check also proves the
 /// server still accepts new connections.
 #[derive(Clone)]
@@ -114,6 +140,11 @@ impl Checker {
             .await
             .with_context(|| format!("POST {url}"))?;
         let status = response.status();
+        if overloaded(status) {
+            return Err(
+                anyhow::Error::new(Waited::Overloaded(status)).context(format!("POST {url}"))
+            );
+        }
         if !status.is_success() {
             bail!("POST {url}: HTTP {status}");
         }

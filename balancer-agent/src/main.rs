@@ -290,14 +290,19 @@ fn execute(command: Command) -> Result<()> {
                 println!("{free}");
             } else {
                 println!("--local-port {free}");
-                eprintln!(
-                    "bucket {bucket} of {}: source ports {}, {}, ... every {} up to {}",
-                    range.buckets,
-                    range.start + bucket,
-                    range.start + bucket + range.buckets,
-                    range.buckets,
-                    u32::from(range.start) + u32::from(range.span) - 1
-                );
+                // In u32: the range may end at port 65535.
+                let first = u32::from(range.start) + u32::from(bucket);
+                let last = u32::from(range.start) + u32::from(range.span) - 1;
+                let every = u32::from(range.buckets);
+                let ports = if first + every <= last {
+                    format!(
+                        "source ports {first}, {}, ... every {every} up to {last}",
+                        first + every
+                    )
+                } else {
+                    format!("source port {first} only")
+                };
+                eprintln!("bucket {bucket} of {}: {ports}", range.buckets);
             }
             Ok(())
         }

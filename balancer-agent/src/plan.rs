@@ -118,6 +118,7 @@ type Quarantined = (u32, Instant, Option<(ReplyKey, VipKey)>);
 /// Hands out ids that stay the same across reloads, and reuses an id only after every flow
 /// that could still name it has timed out, so that per-backend counters never mix two
 /// servers.
+#[derive(Clone)]
 pub struct Ids {
     backends: HashMap<ServerKey, u32>,
     vips: HashMap<String, u32>,

@@ -4,7 +4,7 @@
 //! `agent.pin_dir` leave the program attached for the next agent).
 
 use std::{
-    os::unix::fs::PermissionsExt,
+    os::unix::fs::{FileTypeExt, PermissionsExt},
     path::Path,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
@@ -26,7 +26,7 @@ use crate::{
     controller::Controller,
     dataplane::{interface_index, Dataplane},
     exporter,
-    health::Checker,
+    health::{Checker, Waited},
     pins::Pins,
     route::{NotDirect, Routes},
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
@@ -297,11 +297,7 @@ async fn health_loop(ctl: Shared, routes: Routes) {
                         match timeout(limit, result).await {
                             Ok(Ok(model)) => (t.key, Some(model), Ok(())),
                             Ok(Err(e)) => (t.key, None, Err(e)),
-                            Err(_) => (
-                                t.key,
-                                None,
-                                Err(anyhow::anyhow!("no answer in {timeout_ms} ms")),
-                            ),
+                            Err(_) => (t.key, None, Err(Waited::Timeout(timeout_ms).into())),
                         }
                     }
                 }))
@@ -331,9 +327,16 @@ fn bind_control_socket(path: &Path) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("another agent is listening on {}", path.display());
+        }
+        // A stale socket of an agent that died is ours to replace; anything else is not.
+        if !meta.file_type().is_socket() {
+            bail!(
+                "{} exists and is not a socket: control_socket must name a path of its own",
+                path.display()
+            );
         }
         std::fs::remove_file(path)
             .with_context(|| format!("removing the stale socket {}", path.display()))?;

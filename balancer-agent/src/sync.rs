@@ -59,6 +59,9 @@ pub const MIN_KEY_BYTES: usize = 32;
 pub const DRAIN_INTERVAL: Duration = Duration::from_millis(10);
 
 const TAG_BYTES: usize = 32;
+/// Longest datagram opened: a full batch of IPv6 events takes under 1200 bytes, and a longer
+/// one is refused before its tag is computed over it.
+pub const MAX_DATAGRAM_BYTES: usize = 2048;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Kind {
@@ -212,6 +215,8 @@ impl Keys {
 pub enum Refused {
     #[error("too short to be ours")]
     Short,
+    #[error("longer than {MAX_DATAGRAM_BYTES} bytes")]
+    Long,
     #[error("format version {0}, not {VERSION}")]
     Version(u8),
     #[error("its tag does not match: another key, or altered")]
@@ -243,6 +248,9 @@ pub fn seal(key: &Key, batch: &Batch) -> Vec<u8> {
 pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
     if datagram.len() < 1 + TAG_BYTES {
         return Err(Refused::Short);
+    }
+    if datagram.len() > MAX_DATAGRAM_BYTES {
+        return Err(Refused::Long);
     }
     let (body, tag) = datagram.split_at(datagram.len() - TAG_BYTES);
     let mut mac = key.mac();
@@ -558,9 +566,11 @@ pub async fn receive_loop(
 ) {
     let peers: Vec<IpAddr> = sender.peers.iter().map(|p| p.ip().to_canonical()).collect();
     let stats = sender.stats.clone();
-    let mut buf = vec![0u8; 65536];
+    // One byte more than the longest we open, so that a longer datagram shows as one.
+    let mut buf = vec![0u8; MAX_DATAGRAM_BYTES + 1];
     let mut replays = Replays::new(sender.id);
-    let mut last_refused = None;
+    // Peers whose datagrams are refused since their last good one.
+    let mut refusing = std::collections::HashSet::new();
     let mut greeted = std::collections::HashSet::new();
     loop {
         let (len, from) = match sender.socket.recv_from(&mut buf).await {
@@ -572,7 +582,8 @@ pub async fn receive_loop(
             }
         };
         // A dual-stack socket names an IPv4 peer as ::ffff:a.b.c.d.
-        if !peers.contains(&from.ip().to_canonical()) {
+        let peer = from.ip().to_canonical();
+        if !peers.contains(&peer) {
             stats.refused.fetch_add(1, Ordering::Relaxed);
             debug!(%from, "refused a datagram: not from a peer");
             continue;
@@ -587,6 +598,7 @@ pub async fn receive_loop(
             });
         match opened {
             Ok(batch) => {
+                refusing.remove(&peer);
                 let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
@@ -597,13 +609,13 @@ pub async fn receive_loop(
                 }
             }
             Err(why) => {
-                // Once per run of refusals from a peer, then quietly counted: a peer with
-                // another key or a clock far off says so without flooding the log.
-                if stats.refused.fetch_add(1, Ordering::Relaxed) == 0 || last_refused != Some(from)
-                {
+                // Once per run of refusals from a peer (by address: its source port may
+                // change), then quietly counted: a peer with another key or a clock far off
+                // says so without flooding the log.
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                if refusing.insert(peer) {
                     warn!(%from, "refused a datagram from a peer: {why}");
                 }
-                last_refused = Some(from);
             }
         }
     }
@@ -669,6 +681,9 @@ mod tests {
             Err(Refused::Short)
         );
         assert_eq!(open(&key(1), &[], 1_000_000), Err(Refused::Short));
+        let mut long = datagram.clone();
+        long.resize(MAX_DATAGRAM_BYTES + 1, 0);
+        assert_eq!(open(&key(1), &long, 1_000_000), Err(Refused::Long));
         assert_eq!(
             open(&key(1), &datagram[..datagram.len() - 1], 1_000_000),
             Err(Refused::Tag)

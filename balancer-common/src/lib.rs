@@ -246,6 +246,7 @@ pub struct FlowEntry {
 
 impl FlowEntry {
     /// Neither closed nor idle past its timeout at `now` (the clock of `last_seen_ns`).
+    #[inline(always)]
     pub fn live_at(&self, now: u64) -> bool {
         let idle = u64::from(self.idle_timeout_s) * 1_000_000_000;
         self.closed == 0 && now.saturating_sub(self.last_seen_ns) <= idle

@@ -64,6 +64,10 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
         _pad: 0,
     };
     if let Some(replies) = REPLIES.get_ptr(from) {
+        let now = unsafe { bpf_ktime_get_coarse_ns() };
+        // A client may reuse its port for another VIP the same backend serves while the
+        // first connection's entry lingers, closed or idle: the live flow is the reply's.
+        let mut ended = None;
         let mut i = 0;
         while i < MAX_REPLY_VIPS {
             // SAFETY: as above; the agent replaces values whole.
@@ -71,27 +75,47 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
             if vip.family == 0 {
                 break;
             }
-            let flow = FlowKey {
-                src: pkt.key.dst,
-                dst: vip.addr,
-                sport: pkt.key.dport,
-                dport: vip.port,
-                proto: pkt.key.proto,
-                family: pkt.key.family,
-                _pad: [0; 2],
-            };
-            if let Some(entry) = FLOWS.get_ptr_mut(flow) {
+            if let Some((flow, entry)) = flow_of_reply(pkt, &vip) {
                 // SAFETY: valid for this run; fields are written whole.
                 let entry = unsafe { &mut *entry };
-                if entry.nat_port == pkt.key.sport && same_addr(&entry.nat_addr, &pkt.key.src) {
-                    return reply(ctx, pkt, &vip, &flow, entry);
+                if entry.live_at(now) {
+                    return reply(ctx, pkt, &vip, &flow, entry, now);
+                }
+                if ended.is_none() {
+                    ended = Some(vip);
                 }
             }
             i += 1;
         }
+        // A FIN's answer, or the last ACK of a closed flow, still needs the VIP.
+        if let Some(vip) = ended {
+            if let Some((flow, entry)) = flow_of_reply(pkt, &vip) {
+                // SAFETY: as above.
+                return reply(ctx, pkt, &vip, &flow, unsafe { &mut *entry }, now);
+            }
+        }
     }
     count(Counter::PassNotOurs);
     XDP_PASS
+}
+
+/// The flow `pkt`, from a backend, answers if it was sent to `vip`: its key and entry, when
+/// that flow exists and names this backend.
+#[inline(always)]
+fn flow_of_reply(pkt: &Packet, vip: &VipKey) -> Option<(FlowKey, *mut FlowEntry)> {
+    let flow = FlowKey {
+        src: pkt.key.dst,
+        dst: vip.addr,
+        sport: pkt.key.dport,
+        dport: vip.port,
+        proto: pkt.key.proto,
+        family: pkt.key.family,
+        _pad: [0; 2],
+    };
+    let entry = FLOWS.get_ptr_mut(flow)?;
+    // SAFETY: valid for this program run.
+    let e = unsafe { &*entry };
+    (e.nat_port == pkt.key.sport && same_addr(&e.nat_addr, &pkt.key.src)).then_some((flow, entry))
 }
 
 /// Word by word: a slice comparison would call `memcmp`, which BPF does not have.
@@ -120,13 +144,15 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     if let Some(entry) = FLOWS.get_ptr_mut(pkt.key) {
         // SAFETY: valid for this run; fields are written whole.
         let entry = unsafe { &mut *entry };
-        let idle_ns = u64::from(entry.idle_timeout_s) * NS_PER_S;
-        if now.wrapping_sub(entry.last_seen_ns) > idle_ns {
+        // Saturating: the other direction, on another CPU, may have stored a time later
+        // than `now` since it was read; a wrapped difference would expire a live flow.
+        let idle = now.saturating_sub(entry.last_seen_ns);
+        if idle > u64::from(entry.idle_timeout_s) * NS_PER_S {
             count(Counter::FlowExpired);
         } else if syn && entry.closed != 0 {
             count(Counter::FlowReopened);
         } else {
-            if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
+            if idle > NS_PER_S {
                 entry.last_seen_ns = now;
                 sync::keepalive(&pkt.key, entry, now);
             }
@@ -311,6 +337,12 @@ fn new_flow(
             return Err(Counter::DropDsrEgress);
         }
     }
+    // The end of a connection whose entry is gone (expired, evicted): sent where its SYN
+    // most likely went, so that the backend closes its side, but not a flow: it would be
+    // counted opened and never closed.
+    if !syn && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        return Ok((id, backend.addr, backend.port, hop));
+    }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
     }
@@ -395,14 +427,15 @@ fn reply(
     vip: &VipKey,
     key: &FlowKey,
     entry: &mut FlowEntry,
+    now: u64,
 ) -> u32 {
     if pkt.ttl <= 1 {
         count(Counter::PassTtlExceeded);
         return XDP_PASS;
     }
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
     // A stream the server sends and the client only acknowledges is alive from both ends.
-    if now.wrapping_sub(entry.last_seen_ns) > NS_PER_S {
+    // Saturating: another CPU may have stored a later time since `now` was read.
+    if now.saturating_sub(entry.last_seen_ns) > NS_PER_S {
         entry.last_seen_ns = now;
         sync::keepalive(key, entry, now);
     }

@@ -84,6 +84,10 @@ fn parse_v4(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         return Err(Counter::PassIpOptions);
     }
     let tot_len = u16::from_be_bytes([hdr[2], hdr[3]]);
+    // Shorter than its own header: the TCP length below would wrap.
+    if usize::from(tot_len) < ihl {
+        return Err(Counter::PassMalformed);
+    }
     if l3 + usize::from(tot_len) > frame_len {
         return Err(Counter::PassTruncated);
     }

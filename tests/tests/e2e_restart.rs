@@ -213,6 +213,16 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         refused.contains("flow_table_entries") && refused.contains("detach"),
         "the refusal does not say what to do: {refused}"
     );
+    // Nor may one whose control socket path names a file of another kind: it is left alone.
+    let mut clobbering = config.clone();
+    let precious = topology.dir().join("precious.toml");
+    std::fs::write(&precious, "keep me")?;
+    clobbering.agent.control_socket = precious.clone();
+    let refused = Agent::start_refused(topology, binary, &clobbering)?;
+    ensure!(
+        refused.contains("is not a socket") && std::fs::read_to_string(&precious)? == "keep me",
+        "a control_socket naming a file: {refused}"
+    );
     probe(topology, "after the refused start")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring

@@ -244,19 +244,30 @@ impl Harness {
     /// The program with `config` applied and room everywhere (every SYN keeps its first
     /// Maglev draw unless a case says otherwise), and the plan applied.
     fn load(config: &Config) -> Result<(Self, Plan)> {
+        let mut h = Self::new()?;
+        let plan = h.apply(&mut Ids::default(), config)?;
+        Ok((h, plan))
+    }
+
+    /// The program, attached nowhere, with no VIP yet.
+    fn new() -> Result<Self> {
         let mut dp = Dataplane::load(1 << 16, None)?;
-        let plan = Ids::default().plan(config, &Default::default(), std::time::Instant::now())?;
-        dp.apply(&plan)?;
         dp.set_egress(&LINKS.map(String::from))?;
-        for &(id, _) in &plan.backends {
-            dp.set_budget(id, 1_000_000)?;
-        }
-        let h = Harness {
+        Ok(Harness {
             dp,
             g0: ifindex("g0")?,
             g1: ifindex("g1")?,
-        };
-        Ok((h, plan))
+        })
+    }
+
+    /// Plans `config` with `ids` and applies it, as a reload does, with room everywhere.
+    fn apply(&mut self, ids: &mut Ids, config: &Config) -> Result<Plan> {
+        let plan = ids.plan(config, &Default::default(), std::time::Instant::now())?;
+        self.dp.apply(&plan)?;
+        for &(id, _) in &plan.backends {
+            self.dp.set_budget(id, 1_000_000)?;
+        }
+        Ok(plan)
     }
 
     fn prog(&mut self) -> &mut Xdp {
@@ -374,6 +385,153 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
             sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
+        Ok(())
+    });
+    drop(ns);
+    result
+}
+
+/// A client port reused for a second VIP of the same backend while the first connection's
+/// closed entry lingers: the backend's replies are the live flow's, from the second VIP. And
+/// the end of a connection whose entry is gone goes to the backend without becoming a flow.
+#[test]
+fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
+    let _serial = balancer_tests::serial();
+    let ns = topology()?;
+    let result = ns.enter(|| {
+        let nets = [v4(), v6()];
+        let mut config = config(&nets);
+        let again = [ip("192.0.2.80"), ip("2001:db8::80")];
+        for (f, vip) in again.iter().enumerate() {
+            let mut pool = config
+                .pool
+                .iter()
+                .find(|p| p.name == format!("a{f}"))
+                .unwrap()
+                .clone();
+            pool.name = format!("again{f}");
+            pool.vip = *vip;
+            config.pool.push(pool);
+        }
+        let (mut h, plan) = Harness::load(&config)?;
+        let (g0, g1) = (h.g0, h.g1);
+        for (n, vip2) in nets.iter().zip(again) {
+            let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+            let id = id_in(&plan, n.backend);
+            let sent = |h: &mut Harness, what: &str, frame: Frame| -> Result<()> {
+                let what = format!("{fam} {what}");
+                let (v, _) = h.run(g0, &frame.bytes()).with_context(|| what.clone())?;
+                ensure!(v == XDP_REDIRECT, "{what}: verdict {v}");
+                Ok(())
+            };
+            sent(&mut h, "SYN to the first VIP", client_syn(n, n.vip, 50000))?;
+            let rst = client_syn(n, n.vip, 50000).with(|f| f.flags = "AR");
+            sent(&mut h, "RST to the first VIP", rst)?;
+            sent(
+                &mut h,
+                "SYN from the same port to the second VIP",
+                client_syn(n, vip2, 50000),
+            )?;
+            let syn_ack = Frame {
+                smac: MAC_S0,
+                dmac: MAC_G1,
+                vlan: None,
+                src: n.backend,
+                dst: n.client,
+                sport: 8000,
+                dport: 50000,
+                ttl: 64,
+                flags: "SA",
+                bulk: 0,
+            };
+            let from_vip2 = syn_ack.with(|f| {
+                f.smac = MAC_G0;
+                f.dmac = MAC_CLIENT;
+                f.src = vip2;
+                f.ttl -= 1;
+            });
+            h.expect(
+                &format!("{fam} SYN-ACK while a closed flow from the same port lingers"),
+                g1,
+                &syn_ack.bytes(),
+                XDP_REDIRECT,
+                &from_vip2.bytes(),
+                Counter::Return,
+            )?;
+
+            let midstream = h.counter(Counter::FlowNewMidstream);
+            let opened = h.stats(id).flows_opened;
+            let fin = client_syn(n, n.vip, 50001).with(|f| f.flags = "AF");
+            sent(&mut h, "FIN of a flow without an entry", fin)?;
+            let key = flow_key(n, n.vip, 50001);
+            ensure!(
+                h.dp.flow_table().get(&key, 0).is_err()
+                    && h.counter(Counter::FlowNewMidstream) == midstream
+                    && h.stats(id).flows_opened == opened,
+                "{fam}: a FIN without an entry opened a flow"
+            );
+        }
+        Ok(())
+    });
+    drop(ns);
+    result
+}
+
+/// Reloads that give a VIP's key to another pool id (two pools swap VIPs; a pool is renamed
+/// and takes a lower id freed by an earlier reload): every VIP of the new configuration still
+/// answers, and a VIP no pool has any more does not.
+#[test]
+fn reloads_keep_every_vip() -> Result<()> {
+    let _serial = balancer_tests::serial();
+    let ns = topology()?;
+    let result = ns.enter(|| {
+        let n = v4();
+        let first = config(std::slice::from_ref(&n));
+        let mut h = Harness::new()?;
+        let mut ids = Ids::default();
+        h.apply(&mut ids, &first)?;
+        let g0 = h.g0;
+        let syn = |h: &mut Harness, vip: IpAddr, sport: u16, verdict: u32, c: Counter| {
+            let what = format!("a SYN to {vip} after the reloads so far");
+            let before = h.counter(c);
+            let frame = client_syn(&n, vip, sport).bytes();
+            let (v, out) = h.run(g0, &frame).with_context(|| what.clone())?;
+            ensure!(v == verdict, "{what}: verdict {v}, expected {verdict}");
+            ensure!(
+                h.counter(c) == before + 1,
+                "{what}: {} did not move",
+                c.name()
+            );
+            ensure!(
+                (out != frame) == (c != Counter::PassNotOurs),
+                "{what}: translated {}",
+                out != frame
+            );
+            Ok(())
+        };
+        let pool = |c: &Config, name: &str| -> usize {
+            c.pool.iter().position(|p| p.name == name).expect("pool")
+        };
+        // "a0" (backend behind g1) and "tx0" (backend on the client's link) swap VIPs.
+        let mut swapped = first.clone();
+        let (a, tx) = (pool(&swapped, "a0"), pool(&swapped, "tx0"));
+        swapped.pool[a].vip = n.vip_tx;
+        swapped.pool[tx].vip = n.vip;
+        h.apply(&mut ids, &swapped)?;
+        syn(&mut h, n.vip_tx, 41001, XDP_REDIRECT, Counter::Redirect)?;
+        syn(&mut h, n.vip, 41002, XDP_TX, Counter::Tx)?;
+        // "tx0" leaves, freeing its id; "nn0", later in the list, is renamed and takes it.
+        let mut fewer = swapped.clone();
+        let tx = pool(&fewer, "tx0");
+        fewer.pool.remove(tx);
+        h.apply(&mut ids, &fewer)?;
+        syn(&mut h, n.vip, 41003, XDP_PASS, Counter::PassNotOurs)?;
+        let mut renamed = fewer.clone();
+        let nn = pool(&renamed, "nn0");
+        renamed.pool[nn].name = "nn0-renamed".into();
+        h.apply(&mut ids, &renamed)?;
+        syn(&mut h, n.vip_nn, 41004, XDP_PASS, Counter::PassNoNeigh)?;
+        syn(&mut h, n.vip_tx, 41005, XDP_REDIRECT, Counter::Redirect)?;
         Ok(())
     });
     drop(ns);
@@ -1631,6 +1789,18 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
             let mut bad = full.clone();
             bad[14] = 0x44; // IHL 4: shorter than the fixed header
             same(h, "IHL < 5", bad, Counter::PassMalformed)?;
+            for tot_len in [0u16, 19] {
+                // Total length shorter than the header itself (checksum not fixed: the
+                // program must refuse it before any checksum matters).
+                let mut bad = full.clone();
+                bad[16..18].copy_from_slice(&tot_len.to_be_bytes());
+                same(
+                    h,
+                    &format!("total length {tot_len}"),
+                    bad,
+                    Counter::PassMalformed,
+                )?;
+            }
             let mut bad = full.clone();
             bad[14 + 20 + 12] = 0x40; // TCP data offset 4
             same(h, "TCP data offset < 5", bad, Counter::PassMalformed)?;
