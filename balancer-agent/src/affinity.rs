@@ -60,7 +60,9 @@ fn score(bucket: u16, m: &Member) -> f64 {
 /// most zero when the server is saturated (or recovering from it) on TTFT or KV: it then
 /// counts as full, no better than a server with no free slot and no worse than one with a
 /// queue. A free slot starts a request at once while TTFT is a lagging signal, and a server
-/// whose KV memory holds back admissions shows it in its own waiting count.
+/// whose KV memory holds back admissions shows it in its own waiting count. The agent writes
+/// such a budget held (`LOAD_F_HELD`), so that connections closing on the server before the
+/// next budget do not give it room.
 pub fn budget(
     saturated: bool,
     slots: u32,

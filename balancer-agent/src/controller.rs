@@ -542,7 +542,10 @@ impl Controller {
                     let b = pool.spill_waiting;
                     Some(affinity::budget(held, slots, running, waiting, fresh, b))
                 };
-                if let Err(e) = self.dp.set_budget(s.id, budget.unwrap_or(BUDGET_UNKNOWN)) {
+                let written = self
+                    .dp
+                    .set_load(s.id, budget.unwrap_or(BUDGET_UNKNOWN), held);
+                if let Err(e) = written {
                     warn!("writing a spill budget failed: {e:#}");
                 }
                 let why = if saturated {

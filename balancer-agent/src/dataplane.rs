@@ -24,8 +24,8 @@ use aya::{
 use balancer_common::{
     bucket_slot, hint::HintRange, sync_epoch, Backend, BackendLoad, BackendStats, Bucket,
     BucketStats, Counter, FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey,
-    ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, MAGLEV_SIZE, MAGLEV_TABLES,
-    MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
+    ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, LOAD_F_HELD, MAGLEV_SIZE,
+    MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -658,6 +658,12 @@ impl Dataplane {
     /// budget with a new base or the reverse, a room off by the few connections of the last
     /// fold interval, once.
     pub fn set_budget(&mut self, id: u32, budget: i32) -> Result<()> {
+        self.set_load(id, budget, false)
+    }
+
+    /// [`Dataplane::set_budget`], and with `held` the connections that close on the backend
+    /// until the next call give it no room back (`LOAD_F_HELD`).
+    pub fn set_load(&mut self, id: u32, budget: i32, held: bool) -> Result<()> {
         let i = id as usize;
         let (opens, closes) = (self.opens.shared(), self.closes.shared());
         let (Some(opened), Some(closed)) = (opens.get(i), closes.get(i)) else {
@@ -666,8 +672,12 @@ impl Dataplane {
         let load = &self.load.shared()[i * LOAD_SLOTS as usize..][..LOAD_SLOTS as usize];
         load[0].store(opened.load(Ordering::Relaxed), Ordering::Relaxed);
         load[1].store(closed.load(Ordering::Relaxed), Ordering::Relaxed);
-        // `budget` and `_pad` share the third slot, budget in the low half (little-endian).
-        load[2].store(u64::from(budget as u32), Ordering::Relaxed);
+        // `budget` and `flags` share the third slot, budget in the low half (little-endian).
+        let flags = if held { LOAD_F_HELD } else { 0 };
+        load[2].store(
+            u64::from(budget as u32) | u64::from(flags) << 32,
+            Ordering::Relaxed,
+        );
         Ok(())
     }
 

@@ -138,8 +138,15 @@ pub struct BackendLoad {
     pub opened_base: u64,
     pub closed_base: u64,
     pub budget: i32,
-    pub _pad: u32,
+    /// `LOAD_F_*`. Was padding: 0 in the maps of an agent from before it.
+    pub flags: u32,
 }
+
+/// `BackendLoad::flags`: the backend is saturated on TTFT or KV, or recovering from it
+/// (`budget` is then at most 0). Connections that close on it give no room back until the
+/// agent says otherwise: a closed stream frees a slot, not the latency or memory that made
+/// it saturated.
+pub const LOAD_F_HELD: u32 = 1;
 
 /// The budget of a backend whose load is unknown (no fresh metrics): it is never past its
 /// threshold, so nothing spills away from it, and never taken as an alternate or a spill

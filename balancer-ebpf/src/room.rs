@@ -3,13 +3,14 @@
 //! since, which every CPU counts in shared counters. Both the hint spill and the Maglev
 //! second draw decide on it, so the picture is never older than the last packet.
 
-use balancer_common::BUDGET_UNKNOWN;
+use balancer_common::{BUDGET_UNKNOWN, LOAD_F_HELD};
 
 use crate::maps::{CLOSES, LOAD, OPENS};
 
 /// New connections `id` may still take before it is past its threshold (<= 0: past it, by
 /// as many requests as it is below zero): the agent's budget, less what opened since, plus
-/// what closed since. None when its load is unknown (`BUDGET_UNKNOWN`).
+/// what closed since unless the backend is held (`LOAD_F_HELD`). None when its load is
+/// unknown (`BUDGET_UNKNOWN`).
 #[inline(always)]
 pub fn room(id: u32) -> Option<i64> {
     // An id out of range has no load to know.
@@ -21,7 +22,11 @@ pub fn room(id: u32) -> Option<i64> {
         return None;
     }
     let opened = opens.wrapping_sub(load.opened_base) as i64;
-    let closed = closes.wrapping_sub(load.closed_base) as i64;
+    let closed = if load.flags & LOAD_F_HELD != 0 {
+        0
+    } else {
+        closes.wrapping_sub(load.closed_base) as i64
+    };
     Some(i64::from(load.budget) - opened + closed)
 }
 

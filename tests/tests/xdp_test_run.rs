@@ -1239,6 +1239,45 @@ fn hinted_syns_go_home_then_spill(
         "{fam} bucket stats {stats:?}"
     );
     ensure!(stats.picks == [4, 1, 3, 0], "{fam} picks {:?}", stats.picks);
+    // A connection that closes gives its room back, unless the home is held (saturated on
+    // TTFT or KV, or recovering): then the SYN after the close spills.
+    let far: Vec<u16> = range.ports(bucket).skip(40).take(3).collect();
+    let to = |h: &mut Harness, sport: u16, flags: &'static str, expect, c, what: &str| {
+        let pkt = client_syn(n, n.vip_multi, sport).with(|f| f.flags = flags);
+        let out = pkt.with(|f| f.dst = expect);
+        let what = format!("{fam} {what} (port {sport})");
+        h.expect(&what, h.g0, &pkt.bytes(), XDP_PASS, &out.bytes(), c)
+    };
+    h.dp.set_budget(id(a), 1)?;
+    h.dp.set_budget(id(c), 5)?;
+    to(h, far[0], "S", a, Counter::HintHome, "home with room 1")?;
+    h.dp.set_budget(id(a), 0)?;
+    to(h, far[0], "AF", a, Counter::PassNoNeigh, "its FIN")?;
+    to(
+        h,
+        far[1],
+        "S",
+        a,
+        Counter::HintHome,
+        "home again: the FIN gave room",
+    )?;
+    h.dp.set_load(id(a), 0, true)?;
+    to(
+        h,
+        far[1],
+        "AF",
+        a,
+        Counter::PassNoNeigh,
+        "its FIN, home held",
+    )?;
+    to(
+        h,
+        far[2],
+        "S",
+        c,
+        Counter::HintWarm,
+        "held: the FIN gave no room",
+    )?;
     // Outside the range: Maglev, the buckets are not consulted.
     let before = h.counter(Counter::HintHome)
         + h.counter(Counter::HintWarm)
