@@ -16,6 +16,13 @@ fn halves(w: u32) -> u32 {
     (w & 0xffff) + (w >> 16)
 }
 
+/// The checksum field for a one's-complement sum of 16-bit words (as loaded, see above)
+/// computed from scratch, over a header built whole.
+#[inline(always)]
+pub fn finish(sum: u32) -> u16 {
+    !fold(sum)
+}
+
 /// The checksum after a 16-bit field changed from `old` to `new`.
 #[inline(always)]
 pub fn replace2(check: u16, old: u16, new: u16) -> u16 {

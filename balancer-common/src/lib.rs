@@ -414,9 +414,10 @@ pub enum Counter {
     PassNoNeigh,
     /// Rewritten, then passed to the stack because the FIB gave no forwarding answer.
     PassFibOther,
-    /// Rewritten, then passed to the stack: longer than the egress MTU, so the stack sends
-    /// the ICMP "too big" (IPv6) or "fragmentation needed" (IPv4) that path-MTU discovery
-    /// needs.
+    /// Rewritten, then passed to the stack: longer than the egress MTU, and an IPv4 packet
+    /// that may be fragmented (the stack fragments it) or in a VLAN-tagged frame (the stack
+    /// answers it, quoting the translated addresses). Others are answered here
+    /// (`TooBigAnswered`).
     PassTooBig,
     /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
     /// device, which XDP cannot transmit on, so the stack forwards it.
@@ -441,7 +442,9 @@ pub enum Counter {
     /// packet it cannot go to the stack (it is still addressed to the VIP); the agent's
     /// scrapes and health checks keep the backends' neighbour entries resolved.
     DropDsrNoNeigh,
-    /// A packet for a DSR VIP longer than the MTU towards the backend.
+    /// A packet for a DSR VIP longer than the MTU towards the backend that may be
+    /// fragmented (IPv4 without don't-fragment), which XDP cannot do; others are answered
+    /// (`TooBigAnswered`).
     DropDsrTooBig,
     /// A packet for a DSR VIP for which the FIB gave no forwarding answer.
     DropDsrFibOther,
@@ -457,6 +460,13 @@ pub enum Counter {
     /// A packet for a DSR VIP whose next hop is out of an interface the program is not
     /// attached to.
     DropDsrEgress,
+    /// Longer than the MTU towards its next hop and not to be fragmented (IPv4 with
+    /// don't-fragment, or IPv6): answered with the ICMP "fragmentation needed" or "packet
+    /// too big" that quotes it as its sender sent it, out of the interface it came in on.
+    TooBigAnswered,
+    /// Such an answer could not be built once the frame had grown for it (the kernel gave
+    /// less room than it said): dropped.
+    DropTooBigAnswer,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -465,7 +475,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::DropDsrEgress as u32 + 1;
+    pub const COUNT: u32 = Counter::DropTooBigAnswer as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -506,6 +516,8 @@ impl Counter {
         Counter::FibLookup,
         Counter::PassEgress,
         Counter::DropDsrEgress,
+        Counter::TooBigAnswered,
+        Counter::DropTooBigAnswer,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -549,6 +561,8 @@ impl Counter {
             Counter::FibLookup => "fib_lookup",
             Counter::PassEgress => "pass_egress",
             Counter::DropDsrEgress => "drop_dsr_egress",
+            Counter::TooBigAnswered => "too_big_answered",
+            Counter::DropTooBigAnswer => "drop_too_big_answer",
         }
     }
 }

@@ -8,6 +8,7 @@
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 mod affinity;
+mod icmp;
 mod maps;
 mod nat;
 mod parse;
@@ -28,6 +29,7 @@ use balancer_common::{
 
 use affinity::Hinted;
 use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS};
+use nat::NoHop;
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -125,7 +127,7 @@ fn same_addr(a: &[u32; 4], b: &[u32; 4]) -> bool {
 }
 
 /// Where a client's packet goes: backend id, address and port, and the next hop there.
-type Target = (u32, [u32; 4], u16, Result<NextHop, Counter>);
+type Target = (u32, [u32; 4], u16, Result<NextHop, NoHop>);
 
 /// Client -> VIP: follow the flow's entry, or pick a backend for a new flow.
 #[inline(always)]
@@ -182,6 +184,9 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             }
         },
     };
+    if let Some(verdict) = answer_too_big(ctx, pkt, &hop) {
+        return verdict;
+    }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(backend_id) {
         // SAFETY: per-CPU value, no other writer.
         unsafe {
@@ -199,6 +204,29 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     nat::send(ctx, pkt, hop, dsr)
 }
 
+/// The ICMP answer's verdict when `hop` says `pkt` is too big for its next hop and it gets
+/// one (see `icmp`); the frame is then the answer.
+#[inline(always)]
+fn answer_too_big(ctx: &XdpContext, pkt: &Packet, hop: &Result<NextHop, NoHop>) -> Option<u32> {
+    let mtu = match hop {
+        Err(no) if too_big(no) && icmp::answers(pkt) => no.mtu,
+        _ => return None,
+    };
+    let verdict = icmp::too_big(ctx, pkt, mtu)?;
+    count(if verdict == XDP_DROP {
+        Counter::DropTooBigAnswer
+    } else {
+        Counter::TooBigAnswered
+    });
+    Some(verdict)
+}
+
+/// Whether `no` says the packet is longer than the MTU towards its next hop.
+#[inline(always)]
+fn too_big(no: &NoHop) -> bool {
+    matches!(no.why, Counter::PassTooBig | Counter::DropDsrTooBig)
+}
+
 /// The next hop of a flow's replies: the answer cached in its entry while it is from this
 /// epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale answer
 /// lives a second at most: a changed route or neighbour MAC takes effect by then. Only usable
@@ -211,7 +239,7 @@ fn to_client(
     now: u64,
     ends: (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
-) -> Result<NextHop, Counter> {
+) -> Result<NextHop, NoHop> {
     let epoch = (now >> 30) as u32;
     if fresh(cache, epoch, pkt) {
         return Ok(*cache);
@@ -241,7 +269,7 @@ fn to_backend(
     (id, addr, port): (u32, &[u32; 4], u16),
     now: u64,
     dsr: bool,
-) -> Result<NextHop, Counter> {
+) -> Result<NextHop, NoHop> {
     let epoch = (now >> 30) as u32;
     if fresh(cache, epoch, pkt) {
         return Ok(*cache);
@@ -333,8 +361,14 @@ fn new_flow(
         if pkt.vlan {
             return Err(Counter::DropDsrVlan);
         }
-        if !nat::can_send(ctx, hop?.ifindex) {
-            return Err(Counter::DropDsrEgress);
+        match hop {
+            Ok(h) if !nat::can_send(ctx, h.ifindex) => return Err(Counter::DropDsrEgress),
+            Ok(_) => {}
+            // Answered with the ICMP "too big" (`answer_too_big`), and not recorded either.
+            Err(no) if too_big(&no) && icmp::answers(pkt) => {
+                return Ok((id, backend.addr, backend.port, hop))
+            }
+            Err(no) => return Err(no.why),
         }
     }
     // The end of a connection whose entry is gone (expired, evicted): sent where its SYN
@@ -440,14 +474,18 @@ fn reply(
         sync::keepalive(key, entry, now);
     }
     note_fin(pkt, key, entry, now);
+    let ports = (vip.port, pkt.key.dport);
+    let ends = (&vip.addr, &pkt.key.dst);
+    let hop = to_client(ctx, pkt, &mut entry.to_client, now, ends, ports);
+    // Before the rewrite: the answer quotes the reply as the backend sent it.
+    if let Some(verdict) = answer_too_big(ctx, pkt, &hop) {
+        return verdict;
+    }
     count(Counter::Return);
     if nat::rewrite_src(ctx, pkt, &vip.addr, vip.port).is_err() {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    let ports = (vip.port, pkt.key.dport);
-    let ends = (&vip.addr, &pkt.key.dst);
-    let hop = to_client(ctx, pkt, &mut entry.to_client, now, ends, ports);
     nat::send(ctx, pkt, hop, false)
 }
 

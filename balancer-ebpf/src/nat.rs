@@ -46,13 +46,13 @@ fn at<T>(ctx: &XdpContext, off: usize) -> Result<*mut T, ()> {
 }
 
 #[inline(always)]
-fn get<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, ()> {
+pub fn get<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, ()> {
     // SAFETY: bounds checked by `at`; packet data has no alignment guarantee.
     at::<T>(ctx, off).map(|p| unsafe { core::ptr::read_unaligned(p) })
 }
 
 #[inline(always)]
-fn put<T>(ctx: &XdpContext, off: usize, v: T) -> Result<(), ()> {
+pub fn put<T>(ctx: &XdpContext, off: usize, v: T) -> Result<(), ()> {
     // SAFETY: as in `get`.
     at::<T>(ctx, off).map(|p| unsafe { core::ptr::write_unaligned(p, v) })
 }
@@ -106,6 +106,20 @@ pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -
     rewrite(ctx, pkt, (V4_SRC, V6_SRC), TCP_SPORT, addr, port)
 }
 
+/// Why a packet has no next hop to be sent to: the counter that says so, and for a packet
+/// longer than the egress MTU (`PassTooBig`, `DropDsrTooBig`), that MTU.
+#[derive(Clone, Copy)]
+pub struct NoHop {
+    pub why: Counter,
+    pub mtu: u16,
+}
+
+impl From<Counter> for NoHop {
+    fn from(why: Counter) -> Self {
+        NoHop { why, mtu: 0 }
+    }
+}
+
 /// A FIB answer: the next hop, and whether it is the destination itself on one of our links
 /// (no router in between).
 pub struct Route {
@@ -125,7 +139,7 @@ pub fn next_hop(
     (src, dst): (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
     dsr: bool,
-) -> Result<Route, Counter> {
+) -> Result<Route, NoHop> {
     // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.l4_protocol = pkt.key.proto;
@@ -174,7 +188,7 @@ pub fn next_hop(
         && to[2] == via[2]
         && to[3] == via[3];
     if dsr && routed && !on_link {
-        return Err(Counter::DropDsrRouted);
+        return Err(Counter::DropDsrRouted.into());
     }
     if resolved && p.ifindex != 0 {
         Ok(Route {
@@ -196,19 +210,25 @@ pub fn next_hop(
             Counter::DropDsrNoNeigh
         } else {
             Counter::PassNoNeigh
-        })
+        }
+        .into())
     } else if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
-        Err(if dsr {
-            Counter::DropDsrTooBig
-        } else {
-            Counter::PassTooBig
+        Err(NoHop {
+            why: if dsr {
+                Counter::DropDsrTooBig
+            } else {
+                Counter::PassTooBig
+            },
+            // SAFETY: a u16 the kernel writes the MTU to on this answer.
+            mtu: unsafe { p.__bindgen_anon_1.mtu_result },
         })
     } else {
         Err(if dsr {
             Counter::DropDsrFibOther
         } else {
             Counter::PassFibOther
-        })
+        }
+        .into())
     }
 }
 
@@ -224,7 +244,7 @@ pub fn can_send(ctx: &XdpContext, ifindex: u32) -> bool {
 /// program is not attached to. With `dsr` the packet is still addressed to the VIP, which
 /// the stack would not send to the backend: dropped instead.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: bool) -> u32 {
+pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, NoHop>, dsr: bool) -> u32 {
     let undeliverable = if dsr { XDP_DROP } else { XDP_PASS };
     if pkt.vlan {
         count(if dsr {
@@ -236,8 +256,8 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, Counter>, dsr: 
     }
     let hop = match hop {
         Ok(hop) => hop,
-        Err(why) => {
-            count(why);
+        Err(no) => {
+            count(no.why);
             return undeliverable;
         }
     };

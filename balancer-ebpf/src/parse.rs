@@ -29,6 +29,8 @@ pub struct Packet {
     pub tcp_flags: u8,
     pub ttl: u8,
     pub tos: u8,
+    /// May not be fragmented on the way: IPv4 with don't-fragment set, and all of IPv6.
+    pub df: bool,
     /// Length of the IP packet (header and payload), host order.
     pub len: u16,
     pub vlan: bool,
@@ -124,6 +126,7 @@ fn parse_v4(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         tcp_flags: flags,
         ttl: hdr[8],
         tos: hdr[1],
+        df: hdr[6] & 0x40 != 0,
         len: tot_len,
         vlan,
     })
@@ -168,6 +171,7 @@ fn parse_v6(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         tcp_flags: flags,
         ttl: head[7],
         tos: 0,
+        df: true,
         len: len as u16,
         vlan,
     })

@@ -186,6 +186,35 @@ pub fn get(server: SocketAddr, src_port: u16) -> Result<Reply> {
     })
 }
 
+/// `POST /length` with a body of `len` bytes on a fresh connection from `src_port`: the
+/// server answers the length it received.
+pub fn post_length(server: SocketAddr, src_port: u16, len: usize) -> Result<Reply> {
+    let mut stream = connect(server, src_port)?;
+    let body = "x".repeat(len);
+    send(
+        &mut stream,
+        &server.to_string(),
+        "POST",
+        "/length",
+        Some(&body),
+    )?;
+    let mut reader = BufReader::new(stream.take(MAX_RESPONSE));
+    let head = Head::read(&mut reader)?;
+    let mut text = String::new();
+    reader
+        .read_to_string(&mut text)
+        .context("reading the body")?;
+    let backend = head
+        .header("x-backend")
+        .context("no x-backend header")?
+        .to_owned();
+    Ok(Reply {
+        status: head.status,
+        backend,
+        body: text,
+    })
+}
+
 /// One `GET /` from each port in `src_ports`, one after the other; every one must be answered
 /// by the backend it names. Returns how many each backend answered.
 pub fn count_backends(

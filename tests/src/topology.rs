@@ -336,6 +336,16 @@ impl Topology {
         &self.client
     }
 
+    /// Sets the MTU of the link between the gateway and the switch (both ends), leaving the
+    /// clients' and the backends' links as they are: a narrower hop in the middle of the
+    /// path, which only path MTU discovery finds.
+    pub fn set_gateway_switch_mtu(&self, mtu: u32) -> Result<()> {
+        let mtu = mtu.to_string();
+        self.gw.ip(&["link", "set", "g1", "mtu", &mtu])?;
+        self.sw.ip(&["link", "set", "s0", "mtu", &mtu])?;
+        Ok(())
+    }
+
     pub fn gw(&self) -> &Netns {
         &self.gw
     }

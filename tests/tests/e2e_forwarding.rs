@@ -52,6 +52,53 @@ fn ipv6_vip() {
     forwarding(Family::V6);
 }
 
+/// A hop narrower than both ends (the gateway's link to the switch at 1300 bytes, clients
+/// and servers at 1500): an upload's full-size segments are too big for it, and the client's
+/// path MTU discovery learns that only from an ICMP error that quotes its own connection,
+/// to the VIP. The program answers so; the stack would quote the translated packet, which
+/// the client ignores, and the upload would stall.
+#[test]
+fn uploads_cross_a_narrower_hop() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let topology = topology();
+    if let Err(e) = narrower_hop(&topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+fn narrower_hop(topology: &Topology, agent: &Path) -> Result<()> {
+    const UPLOAD: usize = 256 * 1024;
+    let config = AgentConfig::gateway(topology, WEIGHTS);
+    let agent = Agent::start(topology, agent, &config)?;
+    topology.set_gateway_switch_mtu(1300)?;
+    for (family, port) in [(Family::V4, 49000), (Family::V6, 49001)] {
+        let answered = agent.counter("too_big_answered")?;
+        let started = Instant::now();
+        let reply = topology
+            .client()
+            .enter(|| client::post_length(family.vip(), port, UPLOAD))
+            .with_context(|| format!("{family:?}: uploading {UPLOAD} bytes"))?;
+        let answers = agent.counter("too_big_answered")? - answered;
+        println!(
+            "{family:?}: {UPLOAD} bytes uploaded to {} in {:?}, {answers} ICMP too-big answers",
+            reply.backend,
+            started.elapsed()
+        );
+        ensure!(
+            reply.status == 200 && reply.body == format!("{UPLOAD}\n"),
+            "{family:?}: {reply:?}"
+        );
+        ensure!(
+            answers > 0,
+            "{family:?}: no segment was too big: the test proves nothing"
+        );
+    }
+    agent.stop()
+}
+
 #[test]
 fn panic_with_the_agent_running_leaves_nothing_behind() {
     let _serial = serial();

@@ -1001,33 +1001,87 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
          does not count without it"
     );
 
-    // Past the egress MTU: no ICMP "too big" from the stack for a packet it would route to
-    // the VIP, so dropped; the client's path-MTU discovery is the link's MTU here.
+    // Past the egress MTU: answered with the ICMP "too big" from the VIP; an IPv4 packet
+    // that may be fragmented is dropped (the stack would route it to the VIP, XDP cannot
+    // fragment it).
     let big = syn.with(|f| {
         f.flags = "PA";
         f.sport = 41007;
         f.bulk = 1400;
     });
-    with_small_mtu_on_g1(|| {
-        h.expect_untouched(
+    with_small_mtu(&["g1"], || {
+        h.expect(
             &format!("{fam} DSR data past the egress MTU"),
             g0,
             &big.bytes(),
-            XDP_DROP,
-            Counter::DropDsrTooBig,
-        )
+            XDP_TX,
+            &too_big_answer(&big, 1300),
+            Counter::TooBigAnswered,
+        )?;
+        if n.client.is_ipv4() {
+            h.expect_untouched(
+                "v4 DSR data past the egress MTU, may be fragmented",
+                g0,
+                &without_df(big.bytes()),
+                XDP_DROP,
+                Counter::DropDsrTooBig,
+            )?;
+        }
+        Ok(())
     })
 }
 
-/// Runs `f` with g1's MTU at 1300 (IPv6 needs at least 1280 on a link), then puts 1500 back
-/// whatever `f` returned. Next hops cached earlier still carry the old MTU for the rest of
-/// their epoch, so `f` runs in the next one.
-fn with_small_mtu_on_g1(f: impl FnOnce() -> Result<()>) -> Result<()> {
+/// The ICMP "too big" answer to `frame` for `mtu`: from where the frame was going, to its
+/// sender, back to the MAC it came from, quoting its IP header and 8 bytes of TCP. Built by
+/// etherparse, checksums and all.
+fn too_big_answer(frame: &Frame, mtu: u16) -> Vec<u8> {
+    let bytes = frame.bytes();
+    let eth = PacketBuilder::ethernet2(frame.dmac, frame.smac);
+    let mut out = Vec::new();
+    match (frame.src, frame.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut ip =
+                Ipv4Header::new(0, 64, etherparse::IpNumber::ICMP, d.octets(), s.octets()).unwrap();
+            ip.dont_fragment = false;
+            let frag = etherparse::icmpv4::DestUnreachableHeader::FragmentationNeeded {
+                next_hop_mtu: mtu,
+            };
+            eth.ip(IpHeaders::Ipv4(ip, Default::default()))
+                .icmpv4(etherparse::Icmpv4Type::DestinationUnreachable(frag))
+                .write(&mut out, &bytes[14..14 + 20 + 8])
+                .unwrap();
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            eth.ipv6(d.octets(), s.octets(), 64)
+                .icmpv6(etherparse::Icmpv6Type::PacketTooBig { mtu: mtu.into() })
+                .write(&mut out, &bytes[14..14 + 40 + 8])
+                .unwrap();
+        }
+        _ => unreachable!(),
+    }
+    out
+}
+
+/// An IPv4 frame without VLAN tag with its don't-fragment flag cleared, checksum fixed.
+fn without_df(mut frame: Vec<u8>) -> Vec<u8> {
+    let (mut ip, _) = Ipv4Header::from_slice(&frame[14..]).unwrap();
+    ip.dont_fragment = false;
+    ip.header_checksum = ip.calc_header_checksum();
+    frame[14..34].copy_from_slice(&ip.to_bytes());
+    frame
+}
+
+/// Runs `f` with the MTU of `links` at 1300 (IPv6 needs at least 1280 on a link), then puts
+/// 1500 back whatever `f` returned. Next hops cached earlier still carry the old MTU for the
+/// rest of their epoch, so `f` runs in the next one.
+fn with_small_mtu(links: &[&str], f: impl FnOnce() -> Result<()>) -> Result<()> {
     let mtu = |m: &str| -> Result<()> {
-        let status = std::process::Command::new("ip")
-            .args(["link", "set", "g1", "mtu", m])
-            .status()?;
-        ensure!(status.success(), "ip link set g1 mtu {m}: {status}");
+        for link in links {
+            let status = std::process::Command::new("ip")
+                .args(["link", "set", link, "mtu", m])
+                .status()?;
+            ensure!(status.success(), "ip link set {link} mtu {m}: {status}");
+        }
         Ok(())
     };
     mtu("1300")?;
@@ -1705,20 +1759,52 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
         e.to_backend
     );
     // A packet longer than any the cached answer was checked for is looked up again: past
-    // the egress MTU it goes to the stack, rewritten, for the ICMP "too big"; a small one
-    // after it takes the fast path again.
+    // the egress MTU it is answered with the ICMP "too big" that quotes it as the client sent
+    // it (an IPv4 packet that may be fragmented goes to the stack, translated, which
+    // fragments it); a small one after it takes the fast path again. A reply past the
+    // client side's MTU is answered to the backend, quoting the reply as it sent it.
     let big = ack.with(|f| {
         f.flags = "PA";
         f.bulk = 1400;
     });
-    with_small_mtu_on_g1(|| {
+    let big_reply = Frame {
+        smac: MAC_S0,
+        dmac: MAC_G1,
+        vlan: None,
+        src: n.backend,
+        dst: n.client,
+        sport: 8000,
+        dport: 40200,
+        ttl: 64,
+        flags: "PA",
+        bulk: 1400,
+    };
+    with_small_mtu(&["g0", "g1"], || {
         h.expect(
             &format!("{fam} data past the egress MTU"),
             h.g0,
             &big.bytes(),
-            XDP_PASS,
-            &big.with(|f| f.dst = n.backend).bytes(),
-            Counter::PassTooBig,
+            XDP_TX,
+            &too_big_answer(&big, 1300),
+            Counter::TooBigAnswered,
+        )?;
+        if n.client.is_ipv4() {
+            h.expect(
+                "v4 data past the egress MTU, may be fragmented",
+                h.g0,
+                &without_df(big.bytes()),
+                XDP_PASS,
+                &without_df(big.with(|f| f.dst = n.backend).bytes()),
+                Counter::PassTooBig,
+            )?;
+        }
+        h.expect(
+            &format!("{fam} reply past the client side's MTU"),
+            h.g1,
+            &big_reply.bytes(),
+            XDP_TX,
+            &too_big_answer(&big_reply, 1300),
+            Counter::TooBigAnswered,
         )?;
         h.expect(
             &format!("{fam} small data after it"),

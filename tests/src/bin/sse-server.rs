@@ -13,7 +13,7 @@ use axum::extract::{Query, State};
 use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use clap::Parser;
 use futures_util::stream;
@@ -55,6 +55,7 @@ async fn main() -> anyhow::Result<()> {
     let app = Router::new()
         .route("/", get(identity))
         .route("/stream", get(events))
+        .route("/length", post(length))
         .with_state(name)
         .layer(axum::middleware::map_response(
             move |mut response: Response| {
@@ -90,6 +91,11 @@ async fn main() -> anyhow::Result<()> {
 
 async fn identity(State(name): State<Arc<str>>) -> String {
     format!("{name}\n")
+}
+
+/// How many bytes the request's body had: an upload through the balancer arrived whole.
+async fn length(body: axum::body::Bytes) -> String {
+    format!("{}\n", body.len())
 }
 
 async fn events(
