@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use balancer_common::{
     addr_words, BackendStats, Counter, FlowKey, VipInfo, VipKey, BUDGET_UNKNOWN, IPPROTO_TCP,
 };
@@ -770,7 +770,10 @@ impl Controller {
         ))
     }
 
-    pub fn drain_status(&self, pool: &str, server: &str) -> Result<DrainStatus> {
+    /// What `drain --wait` asks about a server, but for the count of its open connections,
+    /// which takes a walk of the whole flow table: [`DrainQuestion::answer`] does that
+    /// without the controller's lock.
+    pub fn drain_status(&self, pool: &str, server: &str) -> Result<DrainQuestion> {
         let key = self.find(pool, server)?;
         let s = &self.servers[&key];
         // With direct server return the gateway never sees the server close a connection
@@ -781,20 +784,21 @@ impl Controller {
             .pool
             .iter()
             .any(|p| p.name == key.0 && p.forwarding == Forwarding::Dsr);
-        let live = self
-            .dp
-            .live_flows(&HashSet::from([s.id]), dsr.then_some(DSR_QUIET))
-            .context("counting open flows")?;
         let scraped_since = match (s.drain_started, s.reading_at) {
             (Some(start), Some(at)) => at >= start,
             _ => false,
         };
         let reading = s.reading.as_ref().filter(|_| scraped_since);
-        Ok(DrainStatus {
-            draining: s.draining,
-            running: reading.map(|r| r.running),
-            waiting: reading.map(|r| r.waiting),
-            flows: live.get(&s.id).copied().unwrap_or(0),
+        Ok(DrainQuestion {
+            flows_id: self.dp.flows_id(),
+            id: s.id,
+            quiet: dsr.then_some(DSR_QUIET),
+            status: DrainStatus {
+                draining: s.draining,
+                running: reading.map(|r| r.running),
+                waiting: reading.map(|r| r.waiting),
+                flows: 0,
+            },
         })
     }
 
@@ -952,9 +956,17 @@ impl Controller {
         }
     }
 
-    /// Answers one control-socket request.
-    pub fn handle(&mut self, request: crate::control::Request) -> Response {
+    /// Answers one control-socket request, or says what to ask the flow table for it.
+    pub fn handle(&mut self, request: crate::control::Request) -> Handled {
         use crate::control::Request::*;
+        if let DrainStatus { pool, server } = &request {
+            return match self.drain_status(pool, server) {
+                Ok(question) => Handled::Walk(question),
+                Err(e) => Handled::Now(Response::Error {
+                    message: format!("{e:#}"),
+                }),
+            };
+        }
         let result = match request {
             Show { pool } => self.show(&pool).map(Response::Pool),
             Drain { pool, server } => self
@@ -963,9 +975,7 @@ impl Controller {
             Undrain { pool, server } => self
                 .drain(&pool, &server, false)
                 .map(|message| Response::Done { message }),
-            DrainStatus { pool, server } => {
-                self.drain_status(&pool, &server).map(Response::DrainStatus)
-            }
+            DrainStatus { .. } => unreachable!("answered above"),
             Counters => self.counters().map(|mut counters| {
                 counters.extend(self.sync_counters());
                 Response::Counters { counters }
@@ -985,9 +995,40 @@ impl Controller {
                 },
             },
         };
-        result.unwrap_or_else(|e| Response::Error {
+        Handled::Now(result.unwrap_or_else(|e| Response::Error {
             message: format!("{e:#}"),
-        })
+        }))
+    }
+}
+
+/// What [`Controller::handle`] makes of a request.
+pub enum Handled {
+    Now(Response),
+    /// A drain status that still needs the server's open connections counted.
+    Walk(DrainQuestion),
+}
+
+/// A drain status but for its count of open connections (see [`Controller::drain_status`]).
+pub struct DrainQuestion {
+    flows_id: u32,
+    id: u32,
+    quiet: Option<Duration>,
+    status: DrainStatus,
+}
+
+impl DrainQuestion {
+    /// The status, with the connections to the server that the flow table holds open. Walks
+    /// the whole table: call it on a blocking thread, without the controller's lock.
+    pub fn answer(self) -> Response {
+        match crate::dataplane::live_flows(self.flows_id, &HashSet::from([self.id]), self.quiet) {
+            Ok(live) => Response::DrainStatus(DrainStatus {
+                flows: live.get(&self.id).copied().unwrap_or(0),
+                ..self.status
+            }),
+            Err(e) => Response::Error {
+                message: format!("counting open flows: {e:#}"),
+            },
+        }
     }
 }
 

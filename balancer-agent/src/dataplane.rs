@@ -795,28 +795,13 @@ impl Dataplane {
         *self.closed_elsewhere.entry(id).or_default() += 1;
     }
 
-    /// Connections still open on each of `ids`: entries with no FIN or RST seen and not idle
-    /// past their timeout, nor, with `quiet`, for longer than that. Walks the whole flow
-    /// table, so it is for occasional questions (has a drained server's last stream
-    /// ended?), not for every tick.
+    /// [`live_flows`] in this agent's flow table.
     pub fn live_flows(
         &self,
         ids: &HashSet<u32>,
         quiet: Option<Duration>,
     ) -> Result<HashMap<u32, u64>> {
-        let now = monotonic_ns();
-        let heard = |e: &FlowEntry| {
-            quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
-        };
-        let mut live = HashMap::new();
-        for item in self.flows.iter() {
-            // Entries come and go while we walk; one that vanished under us is not live.
-            let Ok((_, e)) = item else { continue };
-            if ids.contains(&e.backend_id) && e.live_at(now) && heard(&e) {
-                *live.entry(e.backend_id).or_insert(0) += 1;
-            }
-        }
-        Ok(live)
+        live_flows(self.flows_id(), ids, quiet)
     }
 
     /// Forgets the flows to `id` that have seen nothing but a SYN, so that the client's next
@@ -855,6 +840,39 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
 /// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times
 /// are in. The program reads the coarse clock (it lags CLOCK_MONOTONIC by a tick at most)
 /// to spare every packet a clock-source read; every use of it is about seconds.
+/// The flow table whose map id is `flows_id`, opened anew: for a walk on another thread
+/// than the one that holds the `Dataplane`.
+pub fn open_flow_table(flows_id: u32) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>> {
+    let data = MapData::from_id(flows_id).context("opening the flow table")?;
+    Ok(BpfHashMap::try_from(Map::LruHashMap(data))?)
+}
+
+/// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
+/// with no FIN or RST seen and not idle past their timeout, nor, with `quiet`, for longer
+/// than that. Walks the whole table, two system calls per entry, so it is for occasional
+/// questions (has a drained server's last stream ended?), asked without the controller's
+/// lock.
+pub fn live_flows(
+    flows_id: u32,
+    ids: &HashSet<u32>,
+    quiet: Option<Duration>,
+) -> Result<HashMap<u32, u64>> {
+    let flows = open_flow_table(flows_id)?;
+    let now = monotonic_ns();
+    let heard = |e: &FlowEntry| {
+        quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
+    };
+    let mut live = HashMap::new();
+    for item in flows.iter() {
+        // Entries come and go while we walk; one that vanished under us is not live.
+        let Ok((_, e)) = item else { continue };
+        if ids.contains(&e.backend_id) && e.live_at(now) && heard(&e) {
+            *live.entry(e.backend_id).or_insert(0) += 1;
+        }
+    }
+    Ok(live)
+}
+
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

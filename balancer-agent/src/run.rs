@@ -16,6 +16,7 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{TcpListener, UdpSocket, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
+    task::spawn_blocking,
     time::{sleep, timeout, Instant},
 };
 use tracing::{error, info, warn};
@@ -23,7 +24,7 @@ use tracing::{error, info, warn};
 use crate::{
     config::{Config, Pool},
     control::{Request, Response},
-    controller::Controller,
+    controller::{Controller, Handled},
     dataplane::{interface_index, Dataplane},
     exporter,
     health::{Checker, Waited},
@@ -391,7 +392,18 @@ async fn answer(stream: UnixStream, ctl: Shared) {
     let mut reader = BufReader::new(read).take(64 * 1024);
     let response = match timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
         Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-            Ok(request) => lock(&ctl).handle(request),
+            Ok(request) => {
+                // Bound to a name: the lock is released before a walk of the flow table.
+                let handled = lock(&ctl).handle(request);
+                match handled {
+                    Handled::Now(response) => response,
+                    Handled::Walk(question) => spawn_blocking(move || question.answer())
+                        .await
+                        .unwrap_or_else(|e| Response::Error {
+                            message: format!("counting open flows: {e}"),
+                        }),
+                }
+            }
             Err(e) => Response::Error {
                 message: format!("bad request: {e}"),
             },

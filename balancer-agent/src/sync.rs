@@ -28,8 +28,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapData, RingBuf};
 use balancer_common::{
-    sync_epoch, words_addr, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
-    FLOW_EVENT_OPEN,
+    sync_epoch, words_addr, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
 };
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -510,9 +509,7 @@ const DUMP_PER_MS: usize = 4;
 /// through a handle of its own, so that the agent's lock is not held meanwhile, and keeps
 /// no more than one part in memory whatever the table's size. Returns how many it handed.
 pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Result<usize> {
-    let data = MapData::from_id(flows_id).context("opening the flow table")?;
-    let table: aya::maps::HashMap<MapData, FlowKey, FlowEntry> =
-        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    let table = crate::dataplane::open_flow_table(flows_id)?;
     let now = crate::dataplane::monotonic_ns();
     let part = MAX_EVENTS * DUMP_PER_MS;
     let mut events = Vec::with_capacity(part);
