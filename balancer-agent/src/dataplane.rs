@@ -411,13 +411,20 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Attaches to exactly `interfaces`: new ones are attached, others detached. Native mode
-    /// first; generic (skb) mode when the driver has no XDP support. With pins, an interface
-    /// whose link an earlier agent pinned gets this program swapped into that link, and a
-    /// new link is pinned.
+    /// Attaches to exactly `interfaces`: new ones are attached, others detached.
     pub fn attach(&mut self, interfaces: &[String]) -> Result<()> {
-        // Before the program runs anywhere: its redirects go only to these.
-        self.set_egress(interfaces)?;
+        self.attach_more(interfaces)?;
+        self.keep_only(interfaces)
+    }
+
+    /// Attaches to those of `interfaces` the program is not on yet, and leaves the others
+    /// as they are: the first half of a change of interfaces, which `keep_only` with the
+    /// old list undoes. Native mode first; generic (skb) mode when the driver has no XDP
+    /// support. With pins, an interface whose link an earlier agent pinned gets this program
+    /// swapped into that link, and a new link is pinned.
+    pub fn attach_more(&mut self, interfaces: &[String]) -> Result<()> {
+        // Before the program runs anywhere: its redirects may go to these.
+        self.allow_egress(interfaces)?;
         for name in interfaces {
             if self.links.contains_key(name) {
                 continue;
@@ -449,6 +456,11 @@ impl Dataplane {
             };
             self.links.insert(name.clone(), link);
         }
+        Ok(())
+    }
+
+    /// Detaches from every interface not in `interfaces`, and sends out of those only.
+    pub fn keep_only(&mut self, interfaces: &[String]) -> Result<()> {
         let stale: Vec<String> = self
             .links
             .keys()
@@ -458,20 +470,13 @@ impl Dataplane {
         for name in stale {
             self.detach_one(&name)?;
         }
-        Ok(())
+        self.set_egress(interfaces)
     }
 
     /// Makes `interfaces` the only ones the program sends frames out of, other than the one
     /// a frame came in on (`EGRESS`).
     pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
-        let mut wanted = HashSet::new();
-        for name in interfaces {
-            let index = interface_index(name)?;
-            wanted.insert(index);
-            self.egress
-                .insert(index, index, None, 0)
-                .with_context(|| format!("letting the program send out of {name}"))?;
-        }
+        let wanted = self.allow_egress(interfaces)?;
         let stale: Vec<u32> = self
             .egress
             .keys()
@@ -484,6 +489,20 @@ impl Dataplane {
                 .with_context(|| format!("removing interface {index} from EGRESS"))?;
         }
         Ok(())
+    }
+
+    /// Lets the program send out of `interfaces`, besides those it may already; returns
+    /// their indexes.
+    fn allow_egress(&mut self, interfaces: &[String]) -> Result<HashSet<u32>> {
+        let mut indexes = HashSet::new();
+        for name in interfaces {
+            let index = interface_index(name)?;
+            indexes.insert(index);
+            self.egress
+                .insert(index, index, None, 0)
+                .with_context(|| format!("letting the program send out of {name}"))?;
+        }
+        Ok(indexes)
     }
 
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {

@@ -208,8 +208,20 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
     }
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();
-    c.reconfigure(new)?;
-    c.dataplane().attach(&interfaces)?;
+    let running = c.config().agent.interfaces.clone();
+    // New interfaces first, the old ones kept: a failure leaves the program where it was,
+    // and the running configuration whole.
+    let applied = c
+        .dataplane()
+        .attach_more(&interfaces)
+        .and_then(|()| c.reconfigure(new));
+    if let Err(e) = applied {
+        if let Err(undo) = c.dataplane().keep_only(&running) {
+            warn!("leaving the interfaces the failed reload attached to: {undo:#}");
+        }
+        return Err(e);
+    }
+    c.dataplane().keep_only(&interfaces)?;
     if let Some((sender, keys)) = keys {
         sender.set_keys(keys);
     }

@@ -1201,6 +1201,52 @@ fn wait_checks_paused(bed: &Bed) -> Result<()> {
 }
 
 /// (server, state, whether it takes connections): what a configuration decides.
+/// A reload that adds an interface another XDP program holds, and drops b1's weight to 0:
+/// the attach fails, and nothing of the file is applied (b1 keeps its weight), nor left
+/// behind (the program is not on the new interface it could take, and still on the
+/// gateway's two).
+fn refused_whole_when_an_interface_is_taken(bed: &mut Bed) -> Result<()> {
+    let gw = bed.topology.gw();
+    gw.ip(&["link", "add", "gx", "type", "veth", "peer", "name", "gy"])?;
+    gw.ip(&["link", "set", "gx", "up"])?;
+    gw.ip(&["link", "set", "gy", "up"])?;
+    let mut holder = gw.command(XDP_PASS);
+    holder.arg("gx");
+    let log = bed.topology.dir().join("gx-xdp-pass.log");
+    let mut holder = balancer_tests::process::Process::spawn("xdp-pass on gx", holder, &log)?;
+    holder.wait_for_line(0, Duration::from_secs(10), |line| line.trim() == "attached")?;
+    let before = bed.show()?;
+    let mut taken = bed.config.clone();
+    taken
+        .agent
+        .interfaces
+        .extend(["gy".to_owned(), "gx".to_owned()]);
+    taken.set_weight(0, 0);
+    let line = bed.agent.reload_text(&taken.to_toml()?)?;
+    println!("  a reload onto a taken interface: {line}");
+    let after = bed.show()?;
+    let attached = bed.topology.gateway_xdp()?;
+    // Attached first (the list's order), then left when gx failed.
+    let on_gy = gw.ip(&["-d", "link", "show", "dev", "gy"])?.contains("xdp");
+    holder.stop(Duration::from_secs(5))?;
+    gw.ip(&["link", "del", "gx"])?;
+    ensure!(
+        line.contains("reload failed, keeping the running configuration") && line.contains("gx"),
+        "a reload onto a taken interface: {line}"
+    );
+    ensure!(
+        shape(&after) == shape(&before),
+        "the failed reload was applied: {:?} -> {:?}",
+        shape(&before),
+        shape(&after)
+    );
+    ensure!(
+        attached.len() == 2 && !on_gy,
+        "the failed reload left the program on {attached:?}, or on gy ({on_gy})"
+    );
+    Ok(())
+}
+
 fn shape(pool: &PoolView) -> Vec<(String, String, bool)> {
     pool.servers
         .iter()
@@ -1287,6 +1333,7 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
         }
     }
     bed.agent.reload(&bed.config)?;
+    refused_whole_when_an_interface_is_taken(bed)?;
     let ports = bed.ports(200)?;
     let counts = bed.spread(ports)?;
     println!("after them, 200 new connections: {counts:?}");
