@@ -192,10 +192,12 @@ pub struct Backend {
 /// The slot holds a configured backend. Entries of removed servers keep this bit until no
 /// flow can refer to them any more, so that established flows keep their backend.
 pub const BACKEND_F_PRESENT: u8 = 1;
-/// The flags below are for an agent that takes over pinned maps; the program reads none of
-/// them. The operator drains this backend (it has no slot in any table): it stays drained.
+/// The flags below are for an agent that takes over pinned maps; the program reads only
+/// `BACKEND_F_DOWN`. The operator drains this backend (it has no slot in any table): it
+/// stays drained.
 pub const BACKEND_F_DRAINING: u8 = 2;
-/// Its health checks failed (no slot in any table): it stays DOWN until checks pass.
+/// Its health checks failed (no slot in any table): it stays DOWN until checks pass. A SYN
+/// that finds an entry naming it is placed anew.
 pub const BACKEND_F_DOWN: u8 = 4;
 /// Removed from the configuration (not present), its id in quarantine while its flows may
 /// be open: the id is not given to another server before then.

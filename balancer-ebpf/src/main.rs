@@ -23,8 +23,9 @@ use aya_ebpf::{
 };
 use balancer_common::{
     hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, NextHop, ReplyKey,
-    VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
-    FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
+    VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE,
+    FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR,
+    VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -151,7 +152,10 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         let idle = now.saturating_sub(entry.last_seen_ns);
         if idle > u64::from(entry.idle_timeout_s) * NS_PER_S {
             count(Counter::FlowExpired);
-        } else if syn && entry.closed != 0 {
+        } else if syn && (entry.closed != 0 || down(entry.backend_id)) {
+            // A SYN on a closed flow's tuple, or on one whose server failed its checks: a
+            // new connection (a dead server answers nothing, not even the challenge ACK
+            // whose RST would close the entry, and the client's retries would keep it).
             count(Counter::FlowReopened);
         } else {
             if idle > NS_PER_S {
@@ -442,6 +446,14 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<(u32, Option<i64>),
         count(Counter::MaglevSecond);
     }
     Ok((chosen, Some(best)))
+}
+
+/// Whether the agent marked backend `id` DOWN (its health checks failed).
+#[inline(always)]
+fn down(id: u32) -> bool {
+    BACKENDS
+        .get(id)
+        .is_some_and(|b| b.flags & BACKEND_F_DOWN != 0)
 }
 
 /// The backend `id` names, if it is configured.

@@ -382,6 +382,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             kernel_picks_what_user_space_predicts(&mut h, n, &multi.table, &id)?;
             hinted_syns_go_home_then_spill(&mut h, n, multi.vip_id, &multi.table, &id)?;
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
+            a_syn_leaves_a_down_server(&mut h, n, &config, &id)?;
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
             sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
@@ -1507,6 +1508,67 @@ fn alternates_when_the_pick_has_no_room(
     h.dp.apply(&plain)?;
     budgets(h, [1_000_000; 4])?;
     Ok(())
+}
+
+/// A SYN on the tuple of an established flow whose server went DOWN is placed anew: a
+/// client that reuses its port gets no answer from a dead server, whose entry its retries
+/// would keep alive for good.
+fn a_syn_leaves_a_down_server(
+    h: &mut Harness,
+    n: &Net,
+    config: &Config,
+    id: &dyn Fn(IpAddr) -> u32,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let now = std::time::Instant::now();
+    let plain = Ids::default().plan(config, &Weights::new(), now)?;
+    let sport = 43000;
+    let first = maglev_pick(n, sport, &multi_vip(&plain, n).table, id)?;
+    let syn = client_syn(n, n.vip_multi, sport);
+    let to = |f: &Frame, server| f.with(|f| f.dst = server).bytes();
+    let g0 = h.g0;
+    h.expect(
+        &format!("{fam} SYN"),
+        g0,
+        &syn.bytes(),
+        XDP_PASS,
+        &to(&syn, first),
+        Counter::FlowNewSyn,
+    )?;
+    let ack = syn.with(|f| f.flags = "A");
+    h.expect(
+        &format!("{fam} ACK"),
+        g0,
+        &ack.bytes(),
+        XDP_PASS,
+        &to(&ack, first),
+        Counter::PassNoNeigh,
+    )?;
+    let pool = &config
+        .pool
+        .iter()
+        .find(|p| p.vip == n.vip_multi)
+        .context("the multi pool")?
+        .name;
+    let mut weights = Weights::new();
+    weights.down((pool.clone(), SocketAddr::new(first, 8000)));
+    let down = Ids::default().plan(config, &weights, now)?;
+    h.dp.apply(&down)?;
+    let again = maglev_pick(n, sport, &multi_vip(&down, n).table, id)?;
+    ensure!(
+        again != first,
+        "{fam}: the table still names the DOWN server"
+    );
+    let placed = h.expect(
+        &format!("{fam} SYN on the tuple of a flow to a DOWN server"),
+        g0,
+        &syn.bytes(),
+        XDP_PASS,
+        &to(&syn, again),
+        Counter::FlowReopened,
+    );
+    h.dp.apply(&plain)?;
+    placed
 }
 
 /// The epoch a cached next hop is good for: the program's clock >> 30.
