@@ -668,6 +668,13 @@ impl Controller {
             .iter()
             .map(|p| (p.name.as_str(), p.slots))
             .collect();
+        let named: HashSet<&str> = self
+            .config
+            .pool
+            .iter()
+            .filter(|p| p.model.is_some())
+            .map(|p| p.name.as_str())
+            .collect();
         let mut transitions = false;
         for (key, model, result) in results {
             let Some(spill_waiting) = spill.get(key.0.as_str()).copied() else {
@@ -698,6 +705,12 @@ impl Controller {
                 Err(e) if queued && Waited::explains(e) => Outcome::Busy,
                 Err(_) => Outcome::Failed,
             };
+            // A model the agent found on the server itself is asked for again after a failed
+            // check: the server may have been redeployed under another name, and every check
+            // for the old one would fail.
+            if outcome == Outcome::Failed && !named.contains(key.0.as_str()) {
+                s.model = None;
+            }
             s.health = match (&result, outcome) {
                 (Ok(()), _) => "ok".into(),
                 (Err(e), Outcome::Busy) => format!("busy (queue or every slot taken): {e:#}"),

@@ -554,11 +554,15 @@ fn killed_server_goes_down(bed: &mut Bed) -> Result<()> {
         "{name} answered while dead? {counts:?}"
     );
 
+    // Back under another model name: the pool names none, so the agent asks the server
+    // again rather than check for the old one, which would fail for good.
     let mark = bed.agent.log_len();
     let restarted = Instant::now();
-    bed.sims.restart(VICTIM, &baseline_args(VICTIM))?;
+    let mut renamed = baseline_args(VICTIM);
+    renamed.extend(["--model".into(), "sim-model-v2".into()]);
+    bed.sims.restart(VICTIM, &renamed)?;
     let (_, up_at) = bed.wait_show(
-        &format!("{name} UP after its restart"),
+        &format!("{name} UP after its restart under another model name"),
         Duration::from_secs(10),
         |pool| {
             let row = row(pool, VICTIM)?;
