@@ -268,7 +268,8 @@ fn header(
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ; the p50 is steady.\n\
          - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
-         the last two runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29), \
+         the last three runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
+         11% at 00:39 on 2026-12-02), \
          where ours had led it by 5% on 2026-11-30 (per-round table in section 2). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
