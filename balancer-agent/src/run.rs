@@ -221,7 +221,11 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
         }
         return Err(e);
     }
-    c.dataplane().keep_only(&interfaces)?;
+    // The new configuration is live: an interface that cannot be left is the one thing
+    // that did not go through, not a failed reload.
+    if let Err(e) = c.dataplane().keep_only(&interfaces) {
+        warn!("leaving the interfaces the configuration no longer lists: {e:#}");
+    }
     if let Some((sender, keys)) = keys {
         sender.set_keys(keys);
     }

@@ -417,9 +417,9 @@ pub enum Counter {
     /// Rewritten, then passed to the stack because the FIB gave no forwarding answer.
     PassFibOther,
     /// Rewritten, then passed to the stack: longer than the egress MTU, and an IPv4 packet
-    /// that may be fragmented (the stack fragments it) or in a VLAN-tagged frame (the stack
-    /// answers it, quoting the translated addresses). Others are answered here
-    /// (`TooBigAnswered`).
+    /// that may be fragmented (the stack fragments it), or longer than its ingress interface
+    /// carries (coalesced by GRO before a program in generic mode: the stack splits it).
+    /// Others are answered here (`TooBigAnswered`); VLAN-tagged ones count `PassVlan`.
     PassTooBig,
     /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
     /// device, which XDP cannot transmit on, so the stack forwards it.

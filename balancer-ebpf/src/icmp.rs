@@ -5,9 +5,11 @@
 //! the smaller MTU. The answer quotes the packet as the sender sent it, comes from the
 //! address it was sent to, and goes back out of the interface it came in on.
 
+use core::ffi::c_void;
+
 use aya_ebpf::{
-    bindings::xdp_action::XDP_TX,
-    helpers::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
+    bindings::{bpf_check_mtu_ret::BPF_MTU_CHK_RET_SUCCESS, xdp_action::XDP_TX},
+    helpers::{bpf_check_mtu, bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
     programs::XdpContext,
 };
 use balancer_common::{csum, FAMILY_V4};
@@ -29,11 +31,20 @@ const IPPROTO_ICMPV6: u8 = 58;
 const ANSWER_TTL: u8 = 64;
 
 /// Whether `pkt`, too big for an MTU, gets an answer rather than the stack: not a VLAN
-/// frame (it would have to leave through the VLAN device), and not an IPv4 packet that may be
-/// fragmented (the stack fragments it on).
+/// frame (it would have to leave through the VLAN device), not an IPv4 packet that may be
+/// fragmented (the stack fragments it on), and not one longer than the interface it came
+/// in on carries: that one was coalesced by the stack (GRO, which a program attached in
+/// generic mode sees), and the stack splits it again on the way out.
 #[inline(always)]
-pub fn answers(pkt: &Packet) -> bool {
-    !pkt.vlan && (pkt.key.family != FAMILY_V4 || pkt.df)
+pub fn answers(ctx: &XdpContext, pkt: &Packet) -> bool {
+    if pkt.vlan || (pkt.key.family == FAMILY_V4 && !pkt.df) {
+        return false;
+    }
+    // In: 0, the frame's own length; out: the ingress MTU, unused. Interface 0: the ingress.
+    let mut mtu: u32 = 0;
+    // SAFETY: a helper call on this program's own context, with a valid pointer.
+    let fits = unsafe { bpf_check_mtu(ctx.ctx as *mut c_void, 0, &mut mtu, 0, 0) };
+    fits == i64::from(BPF_MTU_CHK_RET_SUCCESS)
 }
 
 /// Turns the frame into the ICMP "fragmentation needed" (IPv4) or "packet too big" (IPv6)

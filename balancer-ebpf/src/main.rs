@@ -69,8 +69,10 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
     if let Some(replies) = REPLIES.get_ptr(from) {
         let now = unsafe { bpf_ktime_get_coarse_ns() };
         // A client may reuse its port for another VIP the same backend serves while the
-        // first connection's entry lingers, closed or idle: the live flow is the reply's.
+        // first connection's entry lingers, closed or idle: the live flow is the reply's,
+        // and with none live, the one heard from last.
         let mut ended = None;
+        let mut last_seen = 0;
         let mut i = 0;
         while i < MAX_REPLY_VIPS {
             // SAFETY: as above; the agent replaces values whole.
@@ -84,8 +86,9 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
                 if entry.live_at(now) {
                     return reply(ctx, pkt, &vip, &flow, entry, now);
                 }
-                if ended.is_none() {
+                if ended.is_none() || entry.last_seen_ns > last_seen {
                     ended = Some(vip);
+                    last_seen = entry.last_seen_ns;
                 }
             }
             i += 1;
@@ -213,7 +216,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
 #[inline(always)]
 fn answer_too_big(ctx: &XdpContext, pkt: &Packet, hop: &Result<NextHop, NoHop>) -> Option<u32> {
     let mtu = match hop {
-        Err(no) if too_big(no) && icmp::answers(pkt) => no.mtu,
+        Err(no) if too_big(no) && icmp::answers(ctx, pkt) => no.mtu,
         _ => return None,
     };
     let verdict = icmp::too_big(ctx, pkt, mtu)?;
@@ -369,31 +372,36 @@ fn new_flow(
             Ok(h) if !nat::can_send(ctx, h.ifindex) => return Err(Counter::DropDsrEgress),
             Ok(_) => {}
             // Answered with the ICMP "too big" (`answer_too_big`), and not recorded either.
-            Err(no) if too_big(&no) && icmp::answers(pkt) => {
+            Err(no) if too_big(&no) && icmp::answers(ctx, pkt) => {
                 return Ok((id, backend.addr, backend.port, hop))
             }
             Err(no) => return Err(no.why),
         }
     }
-    // The end of a connection whose entry is gone (expired, evicted): sent where its SYN
-    // most likely went, so that the backend closes its side, but not a flow: it would be
-    // counted opened and never closed.
-    if !syn && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        return Ok((id, backend.addr, backend.port, hop));
+    // The end of a connection whose entry is gone (expired, evicted): recorded closed, so
+    // that the backend's answers are still translated, but neither counted opened nor, later,
+    // closed.
+    let ending = !syn && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    if ending {
+        entry.closed = 1;
+        entry.close_claim = 1;
     }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         count(Counter::FlowInsertFailed);
-    }
-    // A flow placed without its SYN is a guess (another gateway's flow, its entry lost):
-    // shared at once, but never over an entry that another gateway has.
-    if entry.synced != 0 && !syn {
-        sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
     }
     count(if syn {
         Counter::FlowNewSyn
     } else {
         Counter::FlowNewMidstream
     });
+    if ending {
+        return Ok((id, backend.addr, backend.port, hop));
+    }
+    // A flow placed without its SYN is a guess (another gateway's flow, its entry lost):
+    // shared at once, but never over an entry that another gateway has.
+    if entry.synced != 0 && !syn {
+        sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
+    }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(id) {
         // SAFETY: per-CPU value, no other writer.
         unsafe { (*stats).flows_opened += 1 };
