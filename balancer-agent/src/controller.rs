@@ -719,14 +719,10 @@ impl Controller {
             match s.track.record(outcome, fall, rise) {
                 Some(Transition::WentDown) => {
                     transitions = true;
+                    // The program places anew a SYN that finds an entry naming a DOWN server
+                    // (a retransmission it never answered, or a reused port), once `refresh`
+                    // below has written the flag.
                     warn!(pool = %key.0, server = %key.1, "DOWN after {fall} failed checks: {}", s.health);
-                    match self.dp.resteer_unacked(s.id) {
-                        Ok(0) => {}
-                        Ok(n) => {
-                            info!(pool = %key.0, server = %key.1, "{n} connections that had sent only a SYN will be balanced again")
-                        }
-                        Err(e) => warn!("re-steering SYN-only flows failed: {e:#}"),
-                    }
                 }
                 Some(Transition::CameUp) => {
                     transitions = true;

@@ -822,24 +822,6 @@ impl Dataplane {
     ) -> Result<HashMap<u32, u64>> {
         live_flows(self.flows_id(), ids, quiet)
     }
-
-    /// Forgets the flows to `id` that have seen nothing but a SYN, so that the client's next
-    /// SYN is balanced again: nothing reached the server's application yet, so nothing is
-    /// lost. Returns how many were forgotten.
-    pub fn resteer_unacked(&mut self, id: u32) -> Result<usize> {
-        let mut doomed = Vec::new();
-        for item in self.flows.iter() {
-            let Ok((key, e)) = item else { continue };
-            if e.acked == 0 && e.closed == 0 && e.backend_id == id {
-                doomed.push(key);
-            }
-        }
-        for key in &doomed {
-            // It may have been evicted meanwhile; that is the outcome we want anyway.
-            self.flows.remove(key).ok();
-        }
-        Ok(doomed.len())
-    }
 }
 
 /// The kernel's answer for a link whose interface is gone (`ENOLINK`).

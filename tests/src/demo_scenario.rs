@@ -590,7 +590,6 @@ fn relay(line: &str) -> Option<(Style, String)> {
         "reload failed",
         "DOWN after",
         "UP after",
-        "sent only a SYN",
         "left attached",
         "took over",
         "as the previous agent left it",

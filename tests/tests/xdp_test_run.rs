@@ -1542,9 +1542,9 @@ fn alternates_when_the_pick_has_no_room(
     Ok(())
 }
 
-/// A SYN on the tuple of an established flow whose server went DOWN is placed anew: a
-/// client that reuses its port gets no answer from a dead server, whose entry its retries
-/// would keep alive for good.
+/// A SYN that finds an entry naming a server that went DOWN is placed anew: the
+/// retransmission of a SYN it never answered, and a client that reuses the port of an
+/// established flow, whose retries would otherwise keep the entry alive for good.
 fn a_syn_leaves_a_down_server(
     h: &mut Harness,
     n: &Net,
@@ -1576,6 +1576,20 @@ fn a_syn_leaves_a_down_server(
         &to(&ack, first),
         Counter::PassNoNeigh,
     )?;
+    // Another SYN to the same server, which it never answers.
+    let table = &multi_vip(&plain, n).table;
+    let lone = (sport + 1..sport + 1000)
+        .find(|p| maglev_pick(n, *p, table, id).is_ok_and(|b| b == first))
+        .context("another port whose pick is the same server")?;
+    let unanswered = client_syn(n, n.vip_multi, lone);
+    h.expect(
+        &format!("{fam} a SYN left unanswered"),
+        g0,
+        &unanswered.bytes(),
+        XDP_PASS,
+        &to(&unanswered, first),
+        Counter::FlowNewSyn,
+    )?;
     let pool = &config
         .pool
         .iter()
@@ -1586,19 +1600,27 @@ fn a_syn_leaves_a_down_server(
     weights.down((pool.clone(), SocketAddr::new(first, 8000)));
     let down = Ids::default().plan(config, &weights, now)?;
     h.dp.apply(&down)?;
-    let again = maglev_pick(n, sport, &multi_vip(&down, n).table, id)?;
-    ensure!(
-        again != first,
-        "{fam}: the table still names the DOWN server"
-    );
-    let placed = h.expect(
-        &format!("{fam} SYN on the tuple of a flow to a DOWN server"),
-        g0,
-        &syn.bytes(),
-        XDP_PASS,
-        &to(&syn, again),
-        Counter::FlowReopened,
-    );
+    let dtable = &multi_vip(&down, n).table;
+    let placed = [
+        (sport, &syn, "on the tuple of a flow"),
+        (lone, &unanswered, "retransmitted"),
+    ]
+    .into_iter()
+    .try_for_each(|(port, frame, what)| {
+        let again = maglev_pick(n, port, dtable, id)?;
+        ensure!(
+            again != first,
+            "{fam}: the table still names the DOWN server"
+        );
+        h.expect(
+            &format!("{fam} SYN {what} to a DOWN server"),
+            g0,
+            &frame.bytes(),
+            XDP_PASS,
+            &to(frame, again),
+            Counter::FlowReopened,
+        )
+    });
     h.dp.apply(&plain)?;
     placed
 }
