@@ -168,7 +168,12 @@ pub struct Reply {
 pub fn get(server: SocketAddr, src_port: u16) -> Result<Reply> {
     let mut stream = connect(server, src_port)?;
     request(&mut stream, server, "/")?;
-    // The server closes after the response (Connection: close), so the body runs to EOF.
+    reply(stream)
+}
+
+/// The answer to a request sent with `Connection: close`: the server closes after it, so
+/// the body runs to EOF.
+fn reply(stream: TcpStream) -> Result<Reply> {
     let mut reader = BufReader::new(stream.take(MAX_RESPONSE));
     let head = Head::read(&mut reader)?;
     let mut body = String::new();
@@ -198,21 +203,7 @@ pub fn post_length(server: SocketAddr, src_port: u16, len: usize) -> Result<Repl
         "/length",
         Some(&body),
     )?;
-    let mut reader = BufReader::new(stream.take(MAX_RESPONSE));
-    let head = Head::read(&mut reader)?;
-    let mut text = String::new();
-    reader
-        .read_to_string(&mut text)
-        .context("reading the body")?;
-    let backend = head
-        .header("x-backend")
-        .context("no x-backend header")?
-        .to_owned();
-    Ok(Reply {
-        status: head.status,
-        backend,
-        body: text,
-    })
+    reply(stream)
 }
 
 /// One `GET /` from each port in `src_ports`, one after the other; every one must be answered

@@ -179,6 +179,17 @@ fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
     }
 }
 
+/// What the client receives of a backend's reply `f` to a connection to `vip`: from the
+/// VIP, out of g0.
+fn to_client(f: &Frame, vip: IpAddr) -> Frame {
+    f.with(|f| {
+        f.smac = MAC_G0;
+        f.dmac = MAC_CLIENT;
+        f.src = vip;
+        f.ttl -= 1;
+    })
+}
+
 impl Frame {
     fn bytes(&self) -> Vec<u8> {
         let eth = PacketBuilder::ethernet2(self.smac, self.dmac);
@@ -364,11 +375,18 @@ fn topology() -> Result<Netns> {
     })
 }
 
-#[test]
-fn xdp_verdicts_and_bytes() -> Result<()> {
+/// Runs `f` in the namespace `topology` builds, one test at a time, and removes it after.
+fn in_topology(f: impl FnOnce() -> Result<()> + Send) -> Result<()> {
     let _serial = balancer_tests::serial();
     let ns = topology()?;
-    let result = ns.enter(|| {
+    let result = ns.enter(f);
+    drop(ns);
+    result
+}
+
+#[test]
+fn xdp_verdicts_and_bytes() -> Result<()> {
+    in_topology(|| {
         let nets = [v4(), v6()];
         let config = config(&nets);
         let (mut h, plan) = Harness::load(&config)?;
@@ -387,9 +405,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
         Ok(())
-    });
-    drop(ns);
-    result
+    })
 }
 
 /// A client port reused for a second VIP of the same backend while the first connection's
@@ -398,9 +414,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
 /// is gone is recorded closed: counted neither opened nor closed, its answers translated.
 #[test]
 fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
-    let _serial = balancer_tests::serial();
-    let ns = topology()?;
-    let result = ns.enter(|| {
+    in_topology(|| {
         let nets = [v4(), v6()];
         let mut config = config(&nets);
         let again = [ip("192.0.2.80"), ip("2001:db8::80")];
@@ -448,12 +462,7 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
                 flags: "SA",
                 bulk: 0,
             };
-            let from_vip2 = syn_ack.with(|f| {
-                f.smac = MAC_G0;
-                f.dmac = MAC_CLIENT;
-                f.src = vip2;
-                f.ttl -= 1;
-            });
+            let from_vip2 = to_client(&syn_ack, vip2);
             h.expect(
                 &format!("{fam} SYN-ACK while a closed flow from the same port lingers"),
                 g1,
@@ -489,12 +498,7 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
                 f.dport = 50001;
                 f.flags = "AF";
             });
-            let translated = answer.with(|f| {
-                f.smac = MAC_G0;
-                f.dmac = MAC_CLIENT;
-                f.src = n.vip;
-                f.ttl -= 1;
-            });
+            let translated = to_client(&answer, n.vip);
             h.expect(
                 &format!("{fam} the backend's answer to that FIN"),
                 g1,
@@ -505,9 +509,7 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
             )?;
         }
         Ok(())
-    });
-    drop(ns);
-    result
+    })
 }
 
 /// Reloads that give a VIP's key to another pool id (two pools swap VIPs; a pool is renamed
@@ -515,9 +517,7 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
 /// answers, and a VIP no pool has any more does not.
 #[test]
 fn reloads_keep_every_vip() -> Result<()> {
-    let _serial = balancer_tests::serial();
-    let ns = topology()?;
-    let result = ns.enter(|| {
+    in_topology(|| {
         let n = v4();
         let first = config(std::slice::from_ref(&n));
         let mut h = Harness::new()?;
@@ -566,9 +566,7 @@ fn reloads_keep_every_vip() -> Result<()> {
         syn(&mut h, n.vip_nn, 41004, XDP_PASS, Counter::PassNoNeigh)?;
         syn(&mut h, n.vip_tx, 41005, XDP_REDIRECT, Counter::Redirect)?;
         Ok(())
-    });
-    drop(ns);
-    result
+    })
 }
 
 /// The id `plan` gave the backend at `addr`.
@@ -615,14 +613,7 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         bulk: 0,
     };
     // What the client receives: the reply comes from the VIP.
-    let to_client = |f: &Frame| {
-        f.with(|f| {
-            f.smac = MAC_G0;
-            f.dmac = MAC_CLIENT;
-            f.src = n.vip;
-            f.ttl -= 1;
-        })
-    };
+    let to_client = |f: &Frame| to_client(f, n.vip);
     let s0 = h.stats(backend_id);
     h.expect(
         &format!("{fam} SYN"),
@@ -2118,9 +2109,7 @@ fn reported(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<Event> {
 /// `Dataplane::adopt_flow`.
 #[test]
 fn shared_flows_are_reported_and_followed() -> Result<()> {
-    let _serial = balancer_tests::serial();
-    let ns = topology()?;
-    let result = ns.enter(|| {
+    in_topology(|| {
         let nets = [v4(), v6()];
         let plain = config(&nets);
         let mut shared = plain.clone();
@@ -2144,9 +2133,7 @@ fn shared_flows_are_reported_and_followed() -> Result<()> {
             }
         }
         Ok(())
-    });
-    drop(ns);
-    result
+    })
 }
 
 fn reports(
