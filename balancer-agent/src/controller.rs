@@ -968,14 +968,6 @@ impl Controller {
     /// Answers one control-socket request, or says what to ask the flow table for it.
     pub fn handle(&mut self, request: crate::control::Request) -> Handled {
         use crate::control::Request::*;
-        if let DrainStatus { pool, server } = &request {
-            return match self.drain_status(pool, server) {
-                Ok(question) => Handled::Walk(question),
-                Err(e) => Handled::Now(Response::Error {
-                    message: format!("{e:#}"),
-                }),
-            };
-        }
         let result = match request {
             Show { pool } => self.show(&pool).map(Response::Pool),
             Drain { pool, server } => self
@@ -984,7 +976,10 @@ impl Controller {
             Undrain { pool, server } => self
                 .drain(&pool, &server, false)
                 .map(|message| Response::Done { message }),
-            DrainStatus { .. } => unreachable!("answered above"),
+            DrainStatus { pool, server } => match self.drain_status(&pool, &server) {
+                Ok(question) => return Handled::Walk(question),
+                Err(e) => Err(e),
+            },
             Counters => self.counters().map(|mut counters| {
                 counters.extend(self.sync_counters());
                 Response::Counters { counters }

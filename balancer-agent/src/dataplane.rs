@@ -838,9 +838,6 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
         .with_context(|| format!("bucket {bucket} of VIP {vip_id} is out of range"))
 }
 
-/// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times
-/// are in. The program reads the coarse clock (it lags CLOCK_MONOTONIC by a tick at most)
-/// to spare every packet a clock-source read; every use of it is about seconds.
 /// The flow table whose map id is `flows_id`, opened anew: for a walk on another thread
 /// than the one that holds the `Dataplane`.
 pub fn open_flow_table(flows_id: u32) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>> {
@@ -874,6 +871,9 @@ pub fn live_flows(
     Ok(live)
 }
 
+/// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times
+/// are in. The program reads the coarse clock (it lags CLOCK_MONOTONIC by a tick at most)
+/// to spare every packet a clock-source read; every use of it is about seconds.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

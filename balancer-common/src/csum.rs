@@ -11,8 +11,9 @@ fn fold(mut sum: u32) -> u16 {
     sum as u16
 }
 
+/// The two 16-bit halves of `w`, added: its share of a one's-complement sum.
 #[inline(always)]
-fn halves(w: u32) -> u32 {
+pub fn halves(w: u32) -> u32 {
     (w & 0xffff) + (w >> 16)
 }
 

@@ -16,12 +16,10 @@ use balancer_common::{csum, FAMILY_V4};
 
 use crate::{
     nat::{get, put},
-    parse::Packet,
+    parse::{Packet, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
 };
 
-const ETH_HLEN: usize = 14;
 const V4_HLEN: usize = 20;
-const V6_HLEN: usize = 40;
 const ICMP_HLEN: usize = 8;
 /// What is quoted of the packet past its IP header: the TCP ports and sequence number, by
 /// which the sender's stack finds its connection (8 bytes, as RFC 792 asks for IPv4).
@@ -56,7 +54,7 @@ pub fn too_big(ctx: &XdpContext, pkt: &Packet, mtu: u16) -> Option<u32> {
     let (ip_hlen, quoted) = if v4 {
         (V4_HLEN, V4_HLEN + QUOTED_L4)
     } else {
-        (V6_HLEN, V6_HLEN + QUOTED_L4)
+        (IPV6_HLEN, IPV6_HLEN + QUOTED_L4)
     };
     let grow = ip_hlen + ICMP_HLEN;
     // SAFETY: a helper call on this program's own context.
@@ -101,7 +99,7 @@ fn build_v4(ctx: &XdpContext, grow: usize, mtu: u16) -> Result<(), ()> {
     let ip = ETH_HLEN;
     let icmp = ip + V4_HLEN;
     let quoted = ETH_HLEN + grow;
-    ethernet(ctx, grow, 0x0800)?;
+    ethernet(ctx, grow, ETH_P_IP)?;
     let sender: u32 = get(ctx, quoted + 12)?;
     let to: u32 = get(ctx, quoted + 16)?;
     let total = (V4_HLEN + ICMP_HLEN + V4_HLEN + QUOTED_L4) as u16;
@@ -132,10 +130,10 @@ fn build_v4(ctx: &XdpContext, grow: usize, mtu: u16) -> Result<(), ()> {
 #[inline(always)]
 fn build_v6(ctx: &XdpContext, grow: usize, mtu: u16) -> Result<(), ()> {
     let ip = ETH_HLEN;
-    let icmp = ip + V6_HLEN;
+    let icmp = ip + IPV6_HLEN;
     let quoted = ETH_HLEN + grow;
-    ethernet(ctx, grow, 0x86dd)?;
-    let payload = (ICMP_HLEN + V6_HLEN + QUOTED_L4) as u16;
+    ethernet(ctx, grow, ETH_P_IPV6)?;
+    let payload = (ICMP_HLEN + IPV6_HLEN + QUOTED_L4) as u16;
     put(ctx, ip, 0x6000_0000u32.to_be())?;
     put(ctx, ip + 4, payload.to_be())?;
     put(
@@ -161,7 +159,7 @@ fn build_v6(ctx: &XdpContext, grow: usize, mtu: u16) -> Result<(), ()> {
     let pseudo = sum::<8>(ctx, ip + 8, 0)?
         + u32::from(payload.to_be())
         + u32::from(u16::from(IPPROTO_ICMPV6).to_be());
-    const WORDS: usize = (ICMP_HLEN + V6_HLEN + QUOTED_L4) / 4;
+    const WORDS: usize = (ICMP_HLEN + IPV6_HLEN + QUOTED_L4) / 4;
     put(
         ctx,
         icmp + 2,
@@ -183,7 +181,7 @@ fn sum<const N: usize>(ctx: &XdpContext, off: usize, start: u32) -> Result<u32, 
     while i < N {
         // SAFETY: within the bounds checked above; no alignment guarantee.
         let w = unsafe { core::ptr::read_unaligned((first + 4 * i) as *const u32) };
-        total += (w & 0xffff) + (w >> 16);
+        total += csum::halves(w);
         i += 1;
     }
     Ok(total)

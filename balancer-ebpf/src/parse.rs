@@ -12,12 +12,12 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
-const IPV6_HLEN: usize = 40;
+pub const IPV6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
 
 /// What the rest of the program needs to know about a TCP packet.
