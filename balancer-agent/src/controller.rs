@@ -20,7 +20,7 @@ use crate::{
     config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
-    dialect::{recent_ttft_ms, Dialect, Reading, TtftTotals},
+    dialect::{recent_ttft_ms, Dialect, Reading, TtftSeries},
     health::{Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
@@ -54,7 +54,7 @@ struct Server {
     /// When `ttft_ms` was last observed: a TTFT that nothing renews ages out, or a server
     /// saturated by TTFT would never get the request that shows it recovered.
     ttft_at: Option<Instant>,
-    last_ttft: Option<TtftTotals>,
+    last_ttft: Option<TtftSeries>,
     /// Counters when the last good scrape was sent, and now.
     at_scrape: BackendStats,
     now: BackendStats,
@@ -383,12 +383,15 @@ impl Controller {
             };
             match result {
                 Ok(reading) => {
-                    let ttft = reading.ttft;
-                    if let Some(ms) = recent_ttft_ms(s.last_ttft, ttft) {
+                    if let Some(ms) = recent_ttft_ms(s.last_ttft.as_ref(), reading.ttft.as_ref()) {
                         s.ttft_ms = Some(ms);
                         s.ttft_at = Some(target.sent_at);
                     }
-                    s.last_ttft = ttft;
+                    s.last_ttft = reading.ttft.clone();
+                    let before = s.reading.as_ref().and_then(|r| r.ignored.as_deref());
+                    if let Some(why) = reading.ignored.as_deref().filter(|&w| Some(w) != before) {
+                        warn!(pool = %target.key.0, server = %target.key.1, "signal left out: {why}");
+                    }
                     s.max_running = s.max_running.max(reading.running);
                     s.reading = Some(reading);
                     s.reading_at = Some(target.sent_at);
@@ -1130,6 +1133,7 @@ mod tests {
                     waiting: 0.0,
                     kv_usage: None,
                     ttft: None,
+                    ignored: None,
                 });
             }
             servers.insert(

@@ -39,7 +39,11 @@
 //! Its regexes cost more than the rest of a scrape, so only the lines of the metrics read go
 //! through it; the others need only be sample lines by the text format (see [`scan`]).
 
-use std::{collections::HashMap, fmt, str::FromStr};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    str::FromStr,
+};
 
 use prometheus_parse::{LineInfo, Scrape, Value};
 
@@ -63,15 +67,39 @@ pub struct Reading {
     pub waiting: f64,
     /// KV-cache memory used, 0..=1.
     pub kv_usage: Option<f64>,
-    /// Cumulative TTFT histogram totals (seconds, observations), if the dialect has one.
-    pub ttft: Option<TtftTotals>,
+    /// Cumulative TTFT histogram totals, if the dialect has one.
+    pub ttft: Option<TtftSeries>,
+    /// An optional signal (KV, TTFT) the server published with a value that makes no sense,
+    /// and why: it is left out, and the load the required signals give still counts.
+    pub ignored: Option<String>,
 }
 
-/// A TTFT histogram's cumulative `_sum` (seconds) and `_count`, over all its label sets.
+/// A TTFT histogram's cumulative `_sum` (seconds) and `_count` for one label set.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TtftTotals {
     pub sum_s: f64,
     pub count: f64,
+}
+
+/// A TTFT histogram's totals per label set (engine, data-parallel rank, model), keyed by the
+/// labels other than `le`: each set is a counter of its own and can restart on its own.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TtftSeries(pub BTreeMap<String, TtftTotals>);
+
+impl TtftSeries {
+    /// The totals over every label set.
+    pub fn total(&self) -> TtftTotals {
+        self.0.values().fold(
+            TtftTotals {
+                sum_s: 0.0,
+                count: 0.0,
+            },
+            |a, t| TtftTotals {
+                sum_s: a.sum_s + t.sum_s,
+                count: a.count + t.count,
+            },
+        )
+    }
 }
 
 /// Why an exposition gives no reading. Each message is one line.
@@ -300,13 +328,26 @@ fn parse_lines(
 }
 
 /// Mean TTFT in ms over the observations between two readings; None when nothing was
-/// observed in between, or the counters went backwards (server restart).
-pub fn recent_ttft_ms(prev: Option<TtftTotals>, cur: Option<TtftTotals>) -> Option<f64> {
+/// observed in between. A label set whose counters went backwards restarted (one engine of
+/// several, or the whole server) and is left out; one that is new since `prev` started
+/// since, so all it observed is recent.
+pub fn recent_ttft_ms(prev: Option<&TtftSeries>, cur: Option<&TtftSeries>) -> Option<f64> {
     let (prev, cur) = (prev?, cur?);
-    let observations = cur.count - prev.count;
-    let seconds = cur.sum_s - prev.sum_s;
-    // Comparisons are false for NaN, so a NaN anywhere gives None too.
-    if observations > 0.0 && seconds >= 0.0 {
+    let mut observations = 0.0;
+    let mut seconds = 0.0;
+    for (labels, now) in &cur.0 {
+        let before = prev.0.get(labels).copied().unwrap_or(TtftTotals {
+            sum_s: 0.0,
+            count: 0.0,
+        });
+        let (n, s) = (now.count - before.count, now.sum_s - before.sum_s);
+        // Comparisons are false for NaN, so a NaN leaves its set out too.
+        if n >= 0.0 && s >= 0.0 {
+            observations += n;
+            seconds += s;
+        }
+    }
+    if observations > 0.0 {
         Some(seconds / observations * 1000.0).filter(|ms| ms.is_finite())
     } else {
         None
@@ -632,40 +673,53 @@ fn read(spec: &Spec, samples: &Samples) -> Result<Reading, DialectError> {
     // requests add up.
     let running = sum(d, spec.running, required(d, spec.running, samples)?)?;
     let waiting = sum(d, spec.waiting, required(d, spec.waiting, samples)?)?;
-
-    let mut kv_usage = None;
-    let kv = spec
-        .kv
-        .iter()
-        .map(|&name| (name, scalars(samples, name)))
-        .find(|(_, values)| !values.is_empty());
-    if let Some((name, values)) = kv {
-        // Each engine has its own KV cache, and the fullest one is what saturates first
-        // (it starts preempting or queueing), so the server's figure is the maximum, not a
-        // sum or a mean.
-        let mut max = 0.0_f64;
-        for v in values {
-            check(d, name, v)?;
-            if v > 1.0 + KV_TOLERANCE {
-                return Err(bad(d, name, v, "a fraction above 1"));
-            }
-            max = max.max(v);
-        }
-        kv_usage = Some(max.min(1.0));
-    }
-
+    // A bad value in an optional signal costs that signal, not the scrape: the queue the
+    // required ones show is what keeps a server from overheating.
+    let mut ignored = None;
+    let kv_usage = optional(kv_usage(d, spec, samples), &mut ignored);
     let ttft = match spec.ttft {
-        Some(family) => ttft_totals(d, family, samples)?,
+        Some(family) => optional(ttft_series(d, family, samples), &mut ignored),
         None => None,
     };
-
     Ok(Reading {
         dialect: d,
         running,
         waiting,
         kv_usage,
         ttft,
+        ignored,
     })
+}
+
+/// An optional signal's value; on an error, none, and the first such error in `ignored`.
+fn optional<T>(signal: Result<Option<T>, DialectError>, ignored: &mut Option<String>) -> Option<T> {
+    signal.unwrap_or_else(|e| {
+        ignored.get_or_insert(e.to_string());
+        None
+    })
+}
+
+fn kv_usage(d: Dialect, spec: &Spec, samples: &Samples) -> Result<Option<f64>, DialectError> {
+    let Some((name, values)) = spec
+        .kv
+        .iter()
+        .map(|&name| (name, scalars(samples, name)))
+        .find(|(_, values)| !values.is_empty())
+    else {
+        return Ok(None);
+    };
+    // Each engine has its own KV cache, and the fullest one is what saturates first (it
+    // starts preempting or queueing), so the server's figure is the maximum, not a sum or a
+    // mean.
+    let mut max = 0.0_f64;
+    for v in values {
+        check(d, name, v)?;
+        if v > 1.0 + KV_TOLERANCE {
+            return Err(bad(d, name, v, "a fraction above 1"));
+        }
+        max = max.max(v);
+    }
+    Ok(Some(max.min(1.0)))
 }
 
 fn required(d: Dialect, name: &'static str, samples: &Samples) -> Result<Vec<f64>, DialectError> {
@@ -722,35 +776,62 @@ fn bad(dialect: Dialect, metric: &str, value: f64, why: &'static str) -> Dialect
     }
 }
 
-/// A histogram's totals over all its label sets. prometheus-parse 0.2.5 groups the
-/// `_bucket` lines of a `# TYPE ... histogram` into one `Value::Histogram` per label set
-/// (bucket counts only, no sum), and leaves `_sum` and `_count` as separate untyped samples;
-/// without the TYPE line the buckets stay untyped `_bucket` samples. So: the sum from `_sum`,
-/// the count from `_count`, or failing that from the `+Inf` buckets in either form.
-fn ttft_totals(
+/// A histogram's totals per label set. prometheus-parse 0.2.5 groups the `_bucket` lines of
+/// a `# TYPE ... histogram` into one `Value::Histogram` per label set (bucket counts only, no
+/// sum), and leaves `_sum` and `_count` as separate untyped samples; without the TYPE line
+/// the buckets stay untyped `_bucket` samples. So: the sum from `_sum`, the count from
+/// `_count`, or failing that from the `+Inf` buckets in either form; a label set needs both.
+fn ttft_series(
     d: Dialect,
     family: &str,
     samples: &Samples,
-) -> Result<Option<TtftTotals>, DialectError> {
+) -> Result<Option<TtftSeries>, DialectError> {
     let sum_name = format!("{family}_sum");
     let count_name = format!("{family}_count");
-    let sums = scalars(samples, &sum_name);
-    let mut counts = scalars(samples, &count_name);
+    let sums = labelled(samples, &sum_name);
+    let mut counts = labelled(samples, &count_name);
     let mut count_metric = count_name;
     if counts.is_empty() {
         counts = inf_buckets(samples, family);
         count_metric = format!("{family}_bucket{{le=\"+Inf\"}}");
     }
-    if sums.is_empty() || counts.is_empty() {
-        return Ok(None);
+    let mut series = BTreeMap::new();
+    for (labels, sum_s) in sums {
+        check(d, &sum_name, sum_s)?;
+        if let Some(&count) = counts.get(&labels) {
+            check(d, &count_metric, count)?;
+            series.insert(labels, TtftTotals { sum_s, count });
+        }
     }
-    Ok(Some(TtftTotals {
-        sum_s: sum(d, &sum_name, sums)?,
-        count: sum(d, &count_metric, counts)?,
-    }))
+    Ok((!series.is_empty()).then_some(TtftSeries(series)))
 }
 
-fn inf_buckets(samples: &Samples, family: &str) -> Vec<f64> {
+/// A label set as a key: its pairs other than `le`, sorted.
+fn series_key(labels: &prometheus_parse::Labels) -> String {
+    let pairs: BTreeMap<_, _> = labels.iter().filter(|(k, _)| *k != "le").collect();
+    let pairs: Vec<String> = pairs
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v:?}"))
+        .collect();
+    pairs.join(",")
+}
+
+/// The values of a counter, gauge or untyped metric by label set.
+fn labelled(samples: &Samples, name: &str) -> BTreeMap<String, f64> {
+    samples
+        .get(name)
+        .into_iter()
+        .flatten()
+        .filter_map(|s| match s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => {
+                Some((series_key(&s.labels), v))
+            }
+            Value::Histogram(_) | Value::Summary(_) => None,
+        })
+        .collect()
+}
+
+fn inf_buckets(samples: &Samples, family: &str) -> BTreeMap<String, f64> {
     let grouped = samples.get(family).into_iter().flatten().filter_map(|s| {
         let Value::Histogram(buckets) = &s.value else {
             return None;
@@ -758,7 +839,7 @@ fn inf_buckets(samples: &Samples, family: &str) -> Vec<f64> {
         buckets
             .iter()
             .find(|b| b.less_than == f64::INFINITY)
-            .map(|b| b.count)
+            .map(|b| (series_key(&s.labels), b.count))
     });
     let loose = samples
         .get(&format!("{family}_bucket"))
@@ -770,7 +851,9 @@ fn inf_buckets(samples: &Samples, family: &str) -> Vec<f64> {
                 .is_some_and(|le| le.parse::<f64>() == Ok(f64::INFINITY))
         })
         .filter_map(|s| match s.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => Some(v),
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => {
+                Some((series_key(&s.labels), v))
+            }
             _ => None,
         });
     grouped.chain(loose).collect()
@@ -1016,7 +1099,7 @@ process_cpu_seconds_total 12.5
         // The fuller engine, and the new gauge rather than the deprecated one.
         assert_eq!(r.kv_usage, Some(0.8125));
         assert_eq!(
-            r.ttft,
+            r.ttft.map(|t| t.total()),
             Some(TtftTotals {
                 sum_s: 10.0,
                 count: 160.0
@@ -1039,7 +1122,7 @@ process_cpu_seconds_total 12.5
         assert_eq!(r.dialect, Dialect::Sglang);
         assert_eq!((r.running, r.waiting), (162.0, 2826.0));
         assert_eq!(r.kv_usage, Some(0.28));
-        let t = r.ttft.unwrap();
+        let t = r.ttft.unwrap().total();
         assert_eq!(t.count, 7.632e6);
         assert!((t.sum_s - 2.3518979474117756e6).abs() < 1e-6);
     }
@@ -1054,7 +1137,8 @@ process_cpu_seconds_total 12.5
                 running: 32.0,
                 waiting: 6.0,
                 kv_usage: None,
-                ttft: None
+                ttft: None,
+                ignored: None
             }
         );
     }
@@ -1069,7 +1153,8 @@ process_cpu_seconds_total 12.5
                 running: 4.0,
                 waiting: 3.0,
                 kv_usage: None,
-                ttft: None
+                ttft: None,
+                ignored: None
             }
         );
     }
@@ -1081,7 +1166,7 @@ process_cpu_seconds_total 12.5
         assert_eq!((r.running, r.waiting), (12.0, 0.0));
         assert_eq!(r.kv_usage, Some(0.55));
         assert_eq!(
-            r.ttft,
+            r.ttft.map(|t| t.total()),
             Some(TtftTotals {
                 sum_s: 24.0,
                 count: 96.0
@@ -1099,7 +1184,8 @@ process_cpu_seconds_total 12.5
                 running: 2.0,
                 waiting: 0.0,
                 kv_usage: None,
-                ttft: None
+                ttft: None,
+                ignored: None
             }
         );
     }
@@ -1259,20 +1345,26 @@ process_cpu_seconds_total 12.5
             err(&plain("NaN")).to_string(),
             "plain: inference_requests_running = NaN: not a number"
         );
-        // Optional signals are checked as strictly as required ones.
+        // Optional signals are checked as strictly as required ones, but a bad one is left
+        // out (and said so), not the whole reading.
         let kv_nan = VLLM_V0.replace(
             "usage_perc{model_name=\"/models/llama-2-7b\"} 0.25",
             "usage_perc{model_name=\"/models/llama-2-7b\"} NaN",
         );
+        let r = ok(&kv_nan);
+        assert_eq!((r.running, r.waiting, r.kv_usage), (3.0, 1.0, None));
         assert_eq!(
-            err(&kv_nan).to_string(),
-            "vllm: vllm:gpu_cache_usage_perc = NaN: not a number"
+            r.ignored.as_deref(),
+            Some("vllm: vllm:gpu_cache_usage_perc = NaN: not a number")
         );
         let ttft_neg = TRTLLM.replace("} 24.0", "} -24.0");
+        let r = ok(&ttft_neg);
+        assert_eq!((r.running, r.kv_usage, r.ttft), (12.0, Some(0.55), None));
         assert_eq!(
-            err(&ttft_neg).to_string(),
-            "trtllm: trtllm_time_to_first_token_seconds_sum = -24: negative"
+            r.ignored.as_deref(),
+            Some("trtllm: trtllm_time_to_first_token_seconds_sum = -24: negative")
         );
+        assert_eq!(ok(TRTLLM).ignored, None);
         // A bad value in an unrelated metric is none of our business.
         let other = format!("{PLAIN}some_ratio NaN\nsome_other -3\n");
         assert_eq!(ok(&other).running, 2.0);
@@ -1281,12 +1373,17 @@ process_cpu_seconds_total 12.5
     #[test]
     fn kv_above_one() {
         let kv = |v: &str| TRTLLM.replace("} 0.55", &format!("}} {v}"));
+        let ignored = |body: &str| {
+            let r = ok(body);
+            assert_eq!(r.kv_usage, None);
+            r.ignored.unwrap()
+        };
         assert_eq!(
-            err(&kv("1.5")).to_string(),
+            ignored(&kv("1.5")),
             "trtllm: trtllm_kv_cache_utilization = 1.5: a fraction above 1"
         );
         // A percentage where a fraction belongs is refused, not divided by 100.
-        assert!(matches!(err(&kv("55")), DialectError::BadValue { .. }));
+        assert!(ignored(&kv("55")).ends_with("= 55: a fraction above 1"));
         // Rounding just above 1 is 1.
         assert_eq!(ok(&kv("1.004")).kv_usage, Some(1.0));
         assert_eq!(ok(&kv("1")).kv_usage, Some(1.0));
@@ -1302,7 +1399,7 @@ process_cpu_seconds_total 12.5
             .map(|l| format!("{l}\n"))
             .collect();
         assert_eq!(
-            ok(&untyped).ttft,
+            ok(&untyped).ttft.map(|t| t.total()),
             Some(TtftTotals {
                 sum_s: 24.0,
                 count: 96.0
@@ -1315,9 +1412,12 @@ process_cpu_seconds_total 12.5
                 .map(|l| format!("{l}\n"))
                 .collect()
         };
-        assert_eq!(ok(&no_count(TRTLLM)).ttft.unwrap().count, 96.0);
-        assert_eq!(ok(&no_count(&untyped)).ttft.unwrap().count, 96.0);
-        assert_eq!(ok(&no_count(VLLM_TWO_ENGINES)).ttft.unwrap().count, 160.0);
+        assert_eq!(ok(&no_count(TRTLLM)).ttft.unwrap().total().count, 96.0);
+        assert_eq!(ok(&no_count(&untyped)).ttft.unwrap().total().count, 96.0);
+        assert_eq!(
+            ok(&no_count(VLLM_TWO_ENGINES)).ttft.unwrap().total().count,
+            160.0
+        );
         // No `_sum`: no mean can be had.
         let no_sum: String = TRTLLM
             .lines()
@@ -1329,29 +1429,58 @@ process_cpu_seconds_total 12.5
 
     #[test]
     fn ttft_delta() {
-        let t = |sum_s, count| Some(TtftTotals { sum_s, count });
+        let series = |sets: &[(&str, f64, f64)]| {
+            Some(TtftSeries(
+                sets.iter()
+                    .map(|&(k, sum_s, count)| (k.to_string(), TtftTotals { sum_s, count }))
+                    .collect(),
+            ))
+        };
+        let t = |sum_s, count| series(&[("", sum_s, count)]);
+        let ms = |prev: Option<TtftSeries>, cur: Option<TtftSeries>| {
+            recent_ttft_ms(prev.as_ref(), cur.as_ref())
+        };
         // 10 new observations taking 2.5 s in all: 250 ms each.
-        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(12.5, 110.0)), Some(250.0));
+        assert_eq!(ms(t(10.0, 100.0), t(12.5, 110.0)), Some(250.0));
         // Nothing observed in between.
-        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(10.0, 100.0)), None);
+        assert_eq!(ms(t(10.0, 100.0), t(10.0, 100.0)), None);
         // Counters went backwards: the server restarted.
-        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(0.5, 3.0)), None);
-        assert_eq!(recent_ttft_ms(t(10.0, 100.0), t(9.0, 120.0)), None);
+        assert_eq!(ms(t(10.0, 100.0), t(0.5, 3.0)), None);
+        assert_eq!(ms(t(10.0, 100.0), t(9.0, 120.0)), None);
         // Nothing to compare with.
-        assert_eq!(recent_ttft_ms(None, t(1.0, 1.0)), None);
-        assert_eq!(recent_ttft_ms(t(1.0, 1.0), None), None);
-        assert_eq!(recent_ttft_ms(t(f64::NAN, 1.0), t(2.0, 2.0)), None);
-        // Through parse: two scrapes of one vLLM server.
+        assert_eq!(ms(None, t(1.0, 1.0)), None);
+        assert_eq!(ms(t(1.0, 1.0), None), None);
+        assert_eq!(ms(t(f64::NAN, 1.0), t(2.0, 2.0)), None);
+        // One engine of two restarted: the other's 250 ms, not the totals' 1.7 s over one
+        // observation.
+        let before = series(&[("e0", 1.0, 10.0), ("e1", 10.0, 100.0)]);
+        let after = series(&[("e0", 0.2, 1.0), ("e1", 12.5, 110.0)]);
+        assert_eq!(ms(before.clone(), after), Some(250.0));
+        // A label set new since: all it observed is recent.
+        let after = series(&[("e0", 1.0, 10.0), ("e1", 10.0, 100.0), ("e2", 0.9, 3.0)]);
+        assert_eq!(ms(before, after), Some(300.0));
+        // Through parse: two scrapes of one vLLM server, with four more observations on
+        // engine 0 taking 1.2 s...
+        let engine0 = "_count{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 100.0";
         let before = ok(VLLM_TWO_ENGINES).ttft;
         let after = ok(&VLLM_TWO_ENGINES
-            .replace(
-                "_count{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 100.0",
-                "_count{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 104.0",
-            )
+            .replace(engine0, &engine0.replace("100.0", "104.0"))
             .replace("} 6.5", "} 7.7"))
         .ttft;
-        let ms = recent_ttft_ms(before, after).unwrap();
-        assert!((ms - 300.0).abs() < 1e-9, "{ms}");
+        let got = ms(before.clone(), after).unwrap();
+        assert!((got - 300.0).abs() < 1e-9, "{got}");
+        // ... or with engine 1 restarted meanwhile, which counts for nothing.
+        let after = ok(&VLLM_TWO_ENGINES
+            .replace(engine0, &engine0.replace("100.0", "104.0"))
+            .replace("} 6.5", "} 7.7")
+            .replace("} 3.5", "} 0.1")
+            .replace(
+                "_count{engine=\"1\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 60.0",
+                "_count{engine=\"1\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 1.0",
+            ))
+        .ttft;
+        let got = ms(before, after).unwrap();
+        assert!((got - 300.0).abs() < 1e-9, "{got}");
     }
 
     #[test]
@@ -1516,7 +1645,7 @@ process_cpu_seconds_total 12.5
             r#"bucket{engine_type="undefined",le="0.25""#,
             r#"bucket{engine_type="}",le="0.25""#,
         );
-        assert_eq!(ok(&odd_bucket).ttft.unwrap().count, 96.0);
+        assert_eq!(ok(&odd_bucket).ttft.unwrap().total().count, 96.0);
         let no_count: String = odd_bucket
             .lines()
             .filter(|l| !l.contains("_seconds_count"))
