@@ -155,11 +155,13 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         let idle = now.saturating_sub(entry.last_seen_ns);
         if idle > u64::from(entry.idle_timeout_s) * NS_PER_S {
             count(Counter::FlowExpired);
+            close_replaced(entry);
         } else if syn && (entry.closed != 0 || down(entry.backend_id)) {
             // A SYN on a closed flow's tuple, or on one whose server failed its checks: a
             // new connection (a dead server answers nothing, not even the challenge ACK
             // whose RST would close the entry, and the client's retries would keep it).
             count(Counter::FlowReopened);
+            close_replaced(entry);
         } else {
             if idle > NS_PER_S {
                 entry.last_seen_ns = now;
@@ -522,6 +524,16 @@ fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry, now: u64) {
         if room::claim(&mut entry.close_claim) {
             note_closed(entry.backend_id);
         }
+    }
+}
+
+/// A flow whose entry a new one replaces ended without a FIN or RST seen here (idle past its
+/// timeout, or its server DOWN): its server gets the close, once, so that its count of open
+/// flows does not keep it forever.
+#[inline(always)]
+fn close_replaced(entry: &mut FlowEntry) {
+    if room::claim(&mut entry.close_claim) {
+        note_closed(entry.backend_id);
     }
 }
 

@@ -708,7 +708,31 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         &to_backend(&syn).bytes(),
         Counter::FlowReopened,
     )?;
-    ensure!(h.stats(backend_id).flows_opened == s1.flows_opened + 1);
+    let s2 = h.stats(backend_id);
+    ensure!(
+        (s2.flows_opened, s2.flows_closed) == (s1.flows_opened + 1, s1.flows_closed),
+        "{fam}: reopening a closed tuple: {s1:?} -> {s2:?}"
+    );
+    // That flow goes quiet past its idle timeout, no FIN seen (the client vanished): a packet
+    // on its tuple places it anew, and the one it replaces is closed on its server, once.
+    let key = flow_key(n, n.vip, 40001);
+    let mut e = h.dp.flow_table().get(&key, 0)?;
+    e.last_seen_ns -= (u64::from(e.idle_timeout_s) + 2) * 1_000_000_000;
+    h.dp.flow_table().insert(key, e, 0)?;
+    let ack = syn.with(|f| f.flags = "A");
+    h.expect(
+        &format!("{fam} ACK on an expired flow"),
+        g0,
+        &ack.bytes(),
+        XDP_REDIRECT,
+        &to_backend(&ack).bytes(),
+        Counter::FlowExpired,
+    )?;
+    let s3 = h.stats(backend_id);
+    ensure!(
+        (s3.flows_opened, s3.flows_closed) == (s2.flows_opened + 1, s2.flows_closed + 1),
+        "{fam}: an expired flow replaced: {s2:?} -> {s3:?}"
+    );
 
     // A reset from the backend closes another flow.
     let syn2 = syn.with(|f| f.sport = 40002);
@@ -1591,6 +1615,7 @@ fn a_syn_leaves_a_down_server(
     weights.down((pool.clone(), SocketAddr::new(first, 8000)));
     let down = Ids::default().plan(config, &weights, now)?;
     h.dp.apply(&down)?;
+    let before = h.stats(id(first));
     let dtable = &multi_vip(&down, n).table;
     let placed = [
         (sport, &syn, "on the tuple of a flow"),
@@ -1613,7 +1638,15 @@ fn a_syn_leaves_a_down_server(
         )
     });
     h.dp.apply(&plain)?;
-    placed
+    placed?;
+    // Neither flow ended with a FIN or RST: the DOWN server gets their closes.
+    let after = h.stats(id(first));
+    ensure!(
+        after.flows_closed == before.flows_closed + 2,
+        "{fam}: {} closes counted on the DOWN server for its two flows placed anew",
+        after.flows_closed - before.flows_closed
+    );
+    Ok(())
 }
 
 /// The epoch a cached next hop is good for: the program's clock >> 30.
