@@ -309,6 +309,46 @@ pub struct BackendHop {
     pub hop: NextHop,
 }
 
+/// "Too big" answers (ICMP) each CPU may send per second, after a burst of
+/// `TOO_BIG_ANSWERS_BURST`: Linux's limits for its own ICMP errors (`net.ipv4.icmp_msgs_per_sec`,
+/// `icmp_msgs_burst`). An answer is shorter than the packet it answers, but a flood of
+/// oversize packets with a forged source would otherwise aim one answer per packet at
+/// that source; a sender doing path MTU discovery needs one per connection.
+pub const TOO_BIG_ANSWERS_PER_S: u64 = 1000;
+pub const TOO_BIG_ANSWERS_BURST: u64 = 50;
+
+/// One CPU's allowance of "too big" answers (`ICMP_TOKENS`), a token bucket kept as time:
+/// `credit_ns` is the time earned, at most `TOO_BIG_ANSWERS_BURST` answers' worth, and an
+/// answer spends `1e9 / TOO_BIG_ANSWERS_PER_S` ns of it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct IcmpTokens {
+    pub credit_ns: u64,
+    /// `bpf_ktime_get_coarse_ns` when the credit was last brought up to date.
+    pub last_ns: u64,
+}
+
+impl IcmpTokens {
+    /// Brings the credit up to `now` and spends an answer's worth if there is one.
+    #[inline(always)]
+    pub fn take(&mut self, now: u64) -> bool {
+        const COST: u64 = 1_000_000_000 / TOO_BIG_ANSWERS_PER_S;
+        let earned = now.saturating_sub(self.last_ns);
+        self.last_ns = self.last_ns.max(now);
+        let credit = self
+            .credit_ns
+            .saturating_add(earned)
+            .min(TOO_BIG_ANSWERS_BURST * COST);
+        if credit >= COST {
+            self.credit_ns = credit - COST;
+            true
+        } else {
+            self.credit_ns = credit;
+            false
+        }
+    }
+}
+
 /// What the program reports of a shared flow (`VIP_F_SYNC`) in `FLOW_EVENTS`: the agent
 /// sends it to the other gateways, whose agents write the same entry into their flow tables,
 /// so that the flow keeps its backend when its packets arrive there instead.
@@ -469,6 +509,9 @@ pub enum Counter {
     /// Such an answer could not be built once the frame had grown for it (the kernel gave
     /// less room than it said): dropped.
     DropTooBigAnswer,
+    /// Such a packet, dropped unanswered: this CPU had sent its `TOO_BIG_ANSWERS_BURST`
+    /// answers faster than `TOO_BIG_ANSWERS_PER_S`.
+    DropTooBigLimited,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -477,7 +520,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::DropTooBigAnswer as u32 + 1;
+    pub const COUNT: u32 = Counter::DropTooBigLimited as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -520,6 +563,7 @@ impl Counter {
         Counter::DropDsrEgress,
         Counter::TooBigAnswered,
         Counter::DropTooBigAnswer,
+        Counter::DropTooBigLimited,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -565,6 +609,7 @@ impl Counter {
             Counter::DropDsrEgress => "drop_dsr_egress",
             Counter::TooBigAnswered => "too_big_answered",
             Counter::DropTooBigAnswer => "drop_too_big_answer",
+            Counter::DropTooBigLimited => "drop_too_big_limited",
         }
     }
 }
@@ -593,6 +638,31 @@ mod tests {
     use core::mem::size_of;
 
     #[test]
+    fn too_big_answers_are_a_token_bucket() {
+        const MS: u64 = 1_000_000;
+        let now = 3_600_000 * MS;
+        // A CPU's first answer finds a full burst.
+        let mut t = IcmpTokens::default();
+        let sent = (0..TOO_BIG_ANSWERS_BURST + 10)
+            .filter(|_| t.take(now))
+            .count();
+        assert_eq!(sent as u64, TOO_BIG_ANSWERS_BURST);
+        // Then one per 1/TOO_BIG_ANSWERS_PER_S s.
+        assert!(!t.take(now + MS / 2));
+        assert!(t.take(now + MS));
+        assert!(!t.take(now + MS));
+        let sent = (0..100).filter(|_| t.take(now + 11 * MS)).count();
+        assert_eq!(sent, 10);
+        // Idle for long: the burst again, no more.
+        let sent = (0..100).filter(|_| t.take(now + 3600 * 1000 * MS)).count();
+        assert_eq!(sent as u64, TOO_BIG_ANSWERS_BURST);
+        // A time from before the last (read before an interrupt that answered) earns
+        // nothing, and does not move the clock back.
+        assert!(!t.take(now));
+        assert!(!t.take(now + 3600 * 1000 * MS));
+    }
+
+    #[test]
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<VipKey>(), 20);
         assert_eq!(size_of::<VipInfo>(), 24);
@@ -603,6 +673,7 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 96);
         assert_eq!(size_of::<NextHop>(), 24);
+        assert_eq!(size_of::<IcmpTokens>(), 16);
         assert_eq!(size_of::<BackendHop>(), 44);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);

@@ -221,6 +221,10 @@ fn answer_too_big(ctx: &XdpContext, pkt: &Packet, hop: &Result<NextHop, NoHop>) 
         Err(no) if too_big(no) && icmp::answers(ctx, pkt) => no.mtu,
         _ => return None,
     };
+    if !icmp::allowed() {
+        count(Counter::DropTooBigLimited);
+        return Some(XDP_DROP);
+    }
     let verdict = icmp::too_big(ctx, pkt, mtu)?;
     count(if verdict == XDP_DROP {
         Counter::DropTooBigAnswer

@@ -8,9 +8,9 @@ use aya_ebpf::{
 };
 use balancer_common::{
     Backend, BackendHop, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry,
-    FlowKey, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS, COUNTER_SLOTS,
-    DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS,
-    MAX_INTERFACES, MAX_VIPS,
+    FlowKey, IcmpTokens, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS,
+    COUNTER_SLOTS, DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES,
+    MAX_BACKENDS, MAX_INTERFACES, MAX_VIPS,
 };
 
 /// VIP (address, port, protocol) -> its configuration. Traffic to anything else is not ours.
@@ -66,6 +66,10 @@ pub static EGRESS: DevMapHash = DevMapHash::with_max_entries(MAX_INTERFACES, 0);
 /// anywhere else is not ours without a look at the flow table.
 #[map]
 pub static REPLIES: HashMap<ReplyKey, Replies> = HashMap::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per CPU: the "too big" answers it may still send (`IcmpTokens`, one value).
+#[map]
+pub static ICMP_TOKENS: PerCpuArray<IcmpTokens> = PerCpuArray::with_max_entries(1, 0);
 
 /// One counter per verdict and per pass or drop reason (`Counter`), per CPU.
 #[map]

@@ -1959,6 +1959,7 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
             &coalesced.with(|f| f.dst = n.backend).bytes(),
             Counter::PassTooBig,
         )?;
+        too_big_flood(h, fam, &big.bytes())?;
         h.expect(
             &format!("{fam} small data after it"),
             h.g0,
@@ -1968,6 +1969,39 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
             Counter::Redirect,
         )
     })
+}
+
+/// A flood of packets too big for their next hop: answered at the rate Linux sends its own
+/// ICMP errors, after a burst per CPU, and the rest dropped unanswered.
+fn too_big_flood(h: &mut Harness, fam: &str, big: &[u8]) -> Result<()> {
+    use balancer_common::{TOO_BIG_ANSWERS_BURST as BURST, TOO_BIG_ANSWERS_PER_S as PER_S};
+    let cpus = std::thread::available_parallelism()?.get() as u64;
+    let flood = 4 * BURST * cpus;
+    // Long enough for every CPU's allowance to be a full burst again.
+    std::thread::sleep(std::time::Duration::from_millis(1000 * BURST / PER_S + 10));
+    let before = (
+        h.counter(Counter::TooBigAnswered),
+        h.counter(Counter::DropTooBigLimited),
+    );
+    let started = std::time::Instant::now();
+    for k in 0..flood {
+        let (v, _) = h.run(h.g0, big)?;
+        ensure!(
+            v == XDP_TX || v == XDP_DROP,
+            "{fam}: oversize packet {k} of a flood: verdict {v}"
+        );
+    }
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let answered = h.counter(Counter::TooBigAnswered) - before.0;
+    let limited = h.counter(Counter::DropTooBigLimited) - before.1;
+    // The test may move between CPUs: each has its own burst, and a coarse clock's tick.
+    let most = cpus * (BURST + (elapsed_ms + 5) * PER_S / 1000);
+    ensure!(
+        answered + limited == flood && (BURST..=most).contains(&answered),
+        "{fam}: {flood} oversize packets in {elapsed_ms} ms: {answered} answered, {limited} \
+         dropped unanswered; expected at least {BURST} and at most {most} answers"
+    );
+    Ok(())
 }
 
 /// Everything that is not plainly ours passes, byte for byte, with its reason counted.
