@@ -309,38 +309,55 @@ pub struct BackendHop {
     pub hop: NextHop,
 }
 
-/// "Too big" answers (ICMP) each CPU may send per second, after a burst of
-/// `TOO_BIG_ANSWERS_BURST`: Linux's limits for its own ICMP errors (`net.ipv4.icmp_msgs_per_sec`,
-/// `icmp_msgs_burst`). An answer is shorter than the packet it answers, but a flood of
-/// oversize packets with a forged source would otherwise aim one answer per packet at
-/// that source; a sender doing path MTU discovery needs one per connection.
-pub const TOO_BIG_ANSWERS_PER_S: u64 = 1000;
-pub const TOO_BIG_ANSWERS_BURST: u64 = 50;
+/// Rate limits, per CPU (`ALLOWANCES`): what the program sends unasked, when a flood of
+/// forged packets could make it send one thing per packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// ICMP "too big" answers, at Linux's limits for its own ICMP errors
+    /// (`net.ipv4.icmp_msgs_per_sec`, `icmp_msgs_burst`). An answer is shorter than the
+    /// packet it answers, but would go to whatever source the packet names; a sender doing
+    /// path MTU discovery needs one per connection.
+    TooBigAnswers,
+    /// Reports of flows placed without their SYN (guesses, `FLOW_EVENT_ALIVE`) to the other
+    /// gateways: forged mid-stream packets would otherwise fill `FLOW_EVENTS` and crowd out
+    /// the reports of real connections. Few real flows are guessed (a peer's flows are
+    /// shared when they open), and a peer guesses the same server when its table agrees.
+    GuessReports,
+}
 
-/// One CPU's allowance of "too big" answers (`ICMP_TOKENS`), a token bucket kept as time:
-/// `credit_ns` is the time earned, at most `TOO_BIG_ANSWERS_BURST` answers' worth, and an
-/// answer spends `1e9 / TOO_BIG_ANSWERS_PER_S` ns of it.
+impl Limit {
+    pub const COUNT: u32 = 2;
+
+    /// (per second, burst).
+    pub const fn rate(self) -> (u64, u64) {
+        match self {
+            Limit::TooBigAnswers => (1000, 50),
+            Limit::GuessReports => (1000, 1000),
+        }
+    }
+}
+
+/// One CPU's allowance under a [`Limit`]: a token bucket kept as time. `credit_ns` is the
+/// time earned, at most a burst's worth, and each use spends `1e9 / per second` ns of it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct IcmpTokens {
+pub struct Allowance {
     pub credit_ns: u64,
     /// `bpf_ktime_get_coarse_ns` when the credit was last brought up to date.
     pub last_ns: u64,
 }
 
-impl IcmpTokens {
-    /// Brings the credit up to `now` and spends an answer's worth if there is one.
+impl Allowance {
+    /// Brings the credit up to `now` and spends one use's worth if there is one.
     #[inline(always)]
-    pub fn take(&mut self, now: u64) -> bool {
-        const COST: u64 = 1_000_000_000 / TOO_BIG_ANSWERS_PER_S;
+    pub fn take(&mut self, limit: Limit, now: u64) -> bool {
+        let (per_s, burst) = limit.rate();
+        let cost = 1_000_000_000 / per_s;
         let earned = now.saturating_sub(self.last_ns);
         self.last_ns = self.last_ns.max(now);
-        let credit = self
-            .credit_ns
-            .saturating_add(earned)
-            .min(TOO_BIG_ANSWERS_BURST * COST);
-        if credit >= COST {
-            self.credit_ns = credit - COST;
+        let credit = self.credit_ns.saturating_add(earned).min(burst * cost);
+        if credit >= cost {
+            self.credit_ns = credit - cost;
             true
         } else {
             self.credit_ns = credit;
@@ -509,9 +526,12 @@ pub enum Counter {
     /// Such an answer could not be built once the frame had grown for it (the kernel gave
     /// less room than it said): dropped.
     DropTooBigAnswer,
-    /// Such a packet, dropped unanswered: this CPU had sent its `TOO_BIG_ANSWERS_BURST`
-    /// answers faster than `TOO_BIG_ANSWERS_PER_S`.
+    /// Such a packet, dropped unanswered: this CPU had used its allowance of answers
+    /// (`Limit::TooBigAnswers`).
     DropTooBigLimited,
+    /// A flow placed without its SYN that was not reported to the other gateways: this CPU
+    /// had used its allowance of such reports (`Limit::GuessReports`).
+    SyncGuessLimited,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -520,7 +540,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::DropTooBigLimited as u32 + 1;
+    pub const COUNT: u32 = Counter::SyncGuessLimited as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -564,6 +584,7 @@ impl Counter {
         Counter::TooBigAnswered,
         Counter::DropTooBigAnswer,
         Counter::DropTooBigLimited,
+        Counter::SyncGuessLimited,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -610,6 +631,7 @@ impl Counter {
             Counter::TooBigAnswered => "too_big_answered",
             Counter::DropTooBigAnswer => "drop_too_big_answer",
             Counter::DropTooBigLimited => "drop_too_big_limited",
+            Counter::SyncGuessLimited => "sync_guess_limited",
         }
     }
 }
@@ -638,28 +660,31 @@ mod tests {
     use core::mem::size_of;
 
     #[test]
-    fn too_big_answers_are_a_token_bucket() {
+    fn allowances_are_token_buckets() {
         const MS: u64 = 1_000_000;
         let now = 3_600_000 * MS;
-        // A CPU's first answer finds a full burst.
-        let mut t = IcmpTokens::default();
-        let sent = (0..TOO_BIG_ANSWERS_BURST + 10)
-            .filter(|_| t.take(now))
-            .count();
-        assert_eq!(sent as u64, TOO_BIG_ANSWERS_BURST);
-        // Then one per 1/TOO_BIG_ANSWERS_PER_S s.
-        assert!(!t.take(now + MS / 2));
-        assert!(t.take(now + MS));
-        assert!(!t.take(now + MS));
-        let sent = (0..100).filter(|_| t.take(now + 11 * MS)).count();
-        assert_eq!(sent, 10);
-        // Idle for long: the burst again, no more.
-        let sent = (0..100).filter(|_| t.take(now + 3600 * 1000 * MS)).count();
-        assert_eq!(sent as u64, TOO_BIG_ANSWERS_BURST);
-        // A time from before the last (read before an interrupt that answered) earns
-        // nothing, and does not move the clock back.
-        assert!(!t.take(now));
-        assert!(!t.take(now + 3600 * 1000 * MS));
+        for limit in [Limit::TooBigAnswers, Limit::GuessReports] {
+            let (per_s, burst) = limit.rate();
+            let cost = 1000 * MS / per_s;
+            let mut a = Allowance::default();
+            let take = |a: &mut Allowance, n: u64, at: u64| {
+                (0..n).filter(|_| a.take(limit, at)).count() as u64
+            };
+            // A CPU's first use finds a full burst.
+            assert_eq!(take(&mut a, burst + 10, now), burst, "{limit:?}");
+            // Then one per 1 / per_s.
+            assert!(!a.take(limit, now + cost / 2));
+            assert!(a.take(limit, now + cost));
+            assert!(!a.take(limit, now + cost));
+            assert_eq!(take(&mut a, 100, now + 11 * cost), 10, "{limit:?}");
+            // Idle for long: the burst again, no more.
+            let later = now + 3600 * 1000 * MS;
+            assert_eq!(take(&mut a, burst + 10, later), burst, "{limit:?}");
+            // A time from before the last (read before an interrupt that used some) earns
+            // nothing, and does not move the clock back.
+            assert!(!a.take(limit, now));
+            assert!(!a.take(limit, later));
+        }
     }
 
     #[test]
@@ -673,7 +698,7 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FlowEntry>(), 96);
         assert_eq!(size_of::<NextHop>(), 24);
-        assert_eq!(size_of::<IcmpTokens>(), 16);
+        assert_eq!(size_of::<Allowance>(), 16);
         assert_eq!(size_of::<BackendHop>(), 44);
         assert_eq!(size_of::<ReplyKey>(), 20);
         assert_eq!(size_of::<Replies>(), 80);

@@ -9,16 +9,12 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{bpf_check_mtu_ret::BPF_MTU_CHK_RET_SUCCESS, xdp_action::XDP_TX},
-    helpers::{
-        bpf_check_mtu, bpf_ktime_get_coarse_ns, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
-        bpf_xdp_get_buff_len,
-    },
+    helpers::{bpf_check_mtu, bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
     programs::XdpContext,
 };
 use balancer_common::{csum, FAMILY_V4};
 
 use crate::{
-    maps::ICMP_TOKENS,
     nat::{get, put},
     parse::{Packet, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
 };
@@ -47,18 +43,6 @@ pub fn answers(ctx: &XdpContext, pkt: &Packet) -> bool {
     // SAFETY: a helper call on this program's own context, with a valid pointer.
     let fits = unsafe { bpf_check_mtu(ctx.ctx as *mut c_void, 0, &mut mtu, 0, 0) };
     fits == i64::from(BPF_MTU_CHK_RET_SUCCESS)
-}
-
-/// Whether this CPU may send another answer now (`ICMP_TOKENS`).
-#[inline(always)]
-pub fn allowed() -> bool {
-    // SAFETY: reads the clock; no arguments.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    match ICMP_TOKENS.get_ptr_mut(0) {
-        // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
-        Some(t) => unsafe { (*t).take(now) },
-        None => false,
-    }
 }
 
 /// Turns the frame into the ICMP "fragmentation needed" (IPv4) or "packet too big" (IPv6)

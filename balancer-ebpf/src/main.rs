@@ -22,14 +22,16 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, NextHop, ReplyKey,
-    VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT, FLOW_EVENT_ALIVE,
-    FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR,
-    VIP_F_SYNC,
+    hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, Limit, NextHop,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT,
+    FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
+    VIP_F_DSR, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
-use maps::{count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS};
+use maps::{
+    allowed, count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS,
+};
 use nat::NoHop;
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
@@ -221,7 +223,8 @@ fn answer_too_big(ctx: &XdpContext, pkt: &Packet, hop: &Result<NextHop, NoHop>) 
         Err(no) if too_big(no) && icmp::answers(ctx, pkt) => no.mtu,
         _ => return None,
     };
-    if !icmp::allowed() {
+    // SAFETY: reads the clock; no arguments.
+    if !allowed(Limit::TooBigAnswers, unsafe { bpf_ktime_get_coarse_ns() }) {
         count(Counter::DropTooBigLimited);
         return Some(XDP_DROP);
     }
@@ -406,7 +409,11 @@ fn new_flow(
     // A flow placed without its SYN is a guess (another gateway's flow, its entry lost):
     // shared at once, but never over an entry that another gateway has.
     if entry.synced != 0 && !syn {
-        sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
+        if allowed(Limit::GuessReports, now) {
+            sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
+        } else {
+            count(Counter::SyncGuessLimited);
+        }
     }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(id) {
         // SAFETY: per-CPU value, no other writer.

@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use balancer_common::{
-    Backend, BackendHop, BackendLoad, BackendStats, Bucket, BucketStats, Counter, FlowEntry,
-    FlowKey, IcmpTokens, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS,
+    Allowance, Backend, BackendHop, BackendLoad, BackendStats, Bucket, BucketStats, Counter,
+    FlowEntry, FlowKey, Limit, Replies, ReplyKey, VipInfo, VipKey, ALTERNATES_SLOTS, BUCKET_SLOTS,
     COUNTER_SLOTS, DEFAULT_FLOW_ENTRIES, FLOW_EVENTS_BYTES, MAGLEV_SIZE, MAGLEV_TABLES,
     MAX_BACKENDS, MAX_INTERFACES, MAX_VIPS,
 };
@@ -67,9 +67,9 @@ pub static EGRESS: DevMapHash = DevMapHash::with_max_entries(MAX_INTERFACES, 0);
 #[map]
 pub static REPLIES: HashMap<ReplyKey, Replies> = HashMap::with_max_entries(MAX_BACKENDS, 0);
 
-/// Per CPU: the "too big" answers it may still send (`IcmpTokens`, one value).
+/// Per CPU and `Limit`: what it may still send unasked (`Allowance`).
 #[map]
-pub static ICMP_TOKENS: PerCpuArray<IcmpTokens> = PerCpuArray::with_max_entries(1, 0);
+pub static ALLOWANCES: PerCpuArray<Allowance> = PerCpuArray::with_max_entries(Limit::COUNT, 0);
 
 /// One counter per verdict and per pass or drop reason (`Counter`), per CPU.
 #[map]
@@ -119,5 +119,15 @@ pub fn count(c: Counter) {
     if let Some(v) = COUNTERS.get_ptr_mut(c as u32) {
         // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
         unsafe { *v += 1 };
+    }
+}
+
+/// Whether this CPU may do what `limit` limits once more, now.
+#[inline(always)]
+pub fn allowed(limit: Limit, now: u64) -> bool {
+    match ALLOWANCES.get_ptr_mut(limit as u32) {
+        // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
+        Some(a) => unsafe { (*a).take(limit, now) },
+        None => false,
     }
 }

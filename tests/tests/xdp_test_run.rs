@@ -13,7 +13,7 @@ use balancer_agent::{
     plan::{Ids, Plan, VipPlan, Weights},
     sync::{Event, Kind},
 };
-use balancer_common::{BackendStats, Counter};
+use balancer_common::{BackendStats, Counter, Limit};
 use balancer_tests::netns::Netns;
 use balancer_tests::test_run::{gateway_links, ifindex, MAC_G0, MAC_G1, MAC_S0};
 use etherparse::{IpHeaders, Ipv4Header, PacketBuilder, TcpOptionElement, VlanId};
@@ -1974,16 +1974,13 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
 /// A flood of packets too big for their next hop: answered at the rate Linux sends its own
 /// ICMP errors, after a burst per CPU, and the rest dropped unanswered.
 fn too_big_flood(h: &mut Harness, fam: &str, big: &[u8]) -> Result<()> {
-    use balancer_common::{TOO_BIG_ANSWERS_BURST as BURST, TOO_BIG_ANSWERS_PER_S as PER_S};
-    let cpus = std::thread::available_parallelism()?.get() as u64;
-    let flood = 4 * BURST * cpus;
-    // Long enough for every CPU's allowance to be a full burst again.
-    std::thread::sleep(std::time::Duration::from_millis(1000 * BURST / PER_S + 10));
+    let limit = Limit::TooBigAnswers;
+    let flood = 4 * limit.rate().1 * cpus()?;
     let before = (
         h.counter(Counter::TooBigAnswered),
         h.counter(Counter::DropTooBigLimited),
     );
-    let started = std::time::Instant::now();
+    let started = refilled(limit);
     for k in 0..flood {
         let (v, _) = h.run(h.g0, big)?;
         ensure!(
@@ -1991,15 +1988,42 @@ fn too_big_flood(h: &mut Harness, fam: &str, big: &[u8]) -> Result<()> {
             "{fam}: oversize packet {k} of a flood: verdict {v}"
         );
     }
-    let elapsed_ms = started.elapsed().as_millis() as u64;
     let answered = h.counter(Counter::TooBigAnswered) - before.0;
     let limited = h.counter(Counter::DropTooBigLimited) - before.1;
-    // The test may move between CPUs: each has its own burst, and a coarse clock's tick.
-    let most = cpus * (BURST + (elapsed_ms + 5) * PER_S / 1000);
     ensure!(
-        answered + limited == flood && (BURST..=most).contains(&answered),
-        "{fam}: {flood} oversize packets in {elapsed_ms} ms: {answered} answered, {limited} \
-         dropped unanswered; expected at least {BURST} and at most {most} answers"
+        answered + limited == flood,
+        "{fam}: {answered} answered and {limited} dropped of {flood}"
+    );
+    within_allowance(limit, flood, answered, started)
+        .with_context(|| format!("{fam}: oversize packets answered"))
+}
+
+fn cpus() -> Result<u64> {
+    Ok(std::thread::available_parallelism()?.get() as u64)
+}
+
+/// Waits until every CPU's allowance under `limit` is a full burst again; returns when.
+fn refilled(limit: Limit) -> std::time::Instant {
+    let (per_s, burst) = limit.rate();
+    std::thread::sleep(std::time::Duration::from_millis(1000 * burst / per_s + 10));
+    std::time::Instant::now()
+}
+
+/// `used` of `flood` tries since `started`, all on full allowances, fit `limit`: at least a
+/// burst, at most a burst for each CPU the test may have moved to and what each earned
+/// meanwhile (and a tick of the coarse clock).
+fn within_allowance(
+    limit: Limit,
+    flood: u64,
+    used: u64,
+    started: std::time::Instant,
+) -> Result<()> {
+    let (per_s, burst) = limit.rate();
+    let ms = started.elapsed().as_millis() as u64;
+    let most = cpus()? * (burst + (ms + 5) * per_s / 1000);
+    ensure!(
+        (burst..=most).contains(&used),
+        "{used} of {flood} in {ms} ms, expected at least {burst} and at most {most}"
     );
     Ok(())
 }
@@ -2275,6 +2299,37 @@ fn reports(
         reported(ring) == want(vec![event(Kind::Alive, 40302)]),
         "{fam}: a flow placed mid-stream"
     );
+    // A flood of them (forged, most likely): reported up to each CPU's allowance; every one
+    // is still placed.
+    let limit = Limit::GuessReports;
+    let flood = 3 * limit.rate().1 * cpus()?;
+    let limited = h.counter(Counter::SyncGuessLimited);
+    let started = refilled(limit);
+    for k in 0..flood {
+        run(h, g0, &ack.with(|f| f.sport = 20000 + k as u16))?;
+    }
+    let shared = reported(ring);
+    ensure!(
+        shared.iter().all(|e| e.kind == Kind::Alive),
+        "{fam}: a flood of guesses reported {shared:?}"
+    );
+    let (shared, limited) = (
+        shared.len() as u64,
+        h.counter(Counter::SyncGuessLimited) - limited,
+    );
+    if sharing {
+        ensure!(
+            shared + limited == flood,
+            "{fam}: {shared} guesses reported and {limited} not, of {flood}"
+        );
+        within_allowance(limit, flood, shared, started)
+            .with_context(|| format!("{fam}: guesses reported"))?;
+    } else {
+        ensure!(
+            (shared, limited) == (0, 0),
+            "{fam}: without sharing, {shared} guesses reported and {limited} limited"
+        );
+    }
     Ok(())
 }
 
