@@ -20,7 +20,7 @@ use crate::{
     config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::Dataplane,
-    dialect::{recent_ttft_ms, Dialect, Reading, TtftSeries},
+    dialect::{recent_ttft_ms, Dialect, DialectError, Reading, TtftSeries},
     health::{Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
@@ -388,8 +388,9 @@ impl Controller {
                         s.ttft_at = Some(target.sent_at);
                     }
                     s.last_ttft = reading.ttft.clone();
-                    let before = s.reading.as_ref().and_then(|r| r.ignored.as_deref());
-                    if let Some(why) = reading.ignored.as_deref().filter(|&w| Some(w) != before) {
+                    let before = s.reading.as_ref().and_then(|r| r.ignored.as_ref());
+                    let new = |w: &&DialectError| !before.is_some_and(|b| b.same_fault(w));
+                    if let Some(why) = reading.ignored.as_ref().filter(new) {
                         warn!(pool = %target.key.0, server = %target.key.1, "signal left out: {why}");
                     }
                     s.max_running = s.max_running.max(reading.running);

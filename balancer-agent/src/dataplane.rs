@@ -764,13 +764,7 @@ impl Dataplane {
                     synced,
                     ..e
                 },
-                _ => {
-                    if let Some(e) = live.filter(|e| e.close_claim == 0) {
-                        // Replaced while open: the connection it counted here is gone.
-                        self.count_close(e.backend_id);
-                    }
-                    adopted
-                }
+                _ => self.replacing(current, adopted),
             },
             Kind::Alive => match (same, live) {
                 (Some(e), Some(_)) if quiet(&e) => FlowEntry {
@@ -781,7 +775,7 @@ impl Dataplane {
                 (_, Some(_)) => return Ok(false),
                 // Closed here, and reported alive by a peer that has not seen the close yet.
                 (Some(e), None) if e.closed != 0 => return Ok(false),
-                _ => adopted,
+                _ => self.replacing(current, adopted),
             },
             Kind::Close => match same.filter(|e| e.closed == 0) {
                 Some(e) => {
@@ -802,6 +796,16 @@ impl Dataplane {
             .insert(key, entry, 0)
             .context("writing a shared flow")?;
         Ok(true)
+    }
+
+    /// `adopted`, over `current`: a connection this gateway opened and did not see close
+    /// (live, expired, or its server DOWN) is gone, and its close is counted, as the program
+    /// counts it when it places a flow over such an entry itself.
+    fn replacing(&mut self, current: Option<FlowEntry>, adopted: FlowEntry) -> FlowEntry {
+        if let Some(e) = current.filter(|e| e.close_claim == 0) {
+            self.count_close(e.backend_id);
+        }
+        adopted
     }
 
     /// Counts the close of a connection to `id` that this gateway opened and will not see

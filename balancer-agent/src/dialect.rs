@@ -25,16 +25,17 @@
 //! - Plain: `inference_requests_running`, `inference_requests_waiting`.
 //!
 //! Nothing is guessed: a missing required signal (running, waiting) is an error, a missing
-//! optional one (KV, TTFT) is `None`, and a value that is not a finite non-negative number is
-//! an error. Text is parsed with `prometheus-parse` 0.2.5, around two of its gaps:
+//! optional one (KV, TTFT) is `None`. A value that is not a finite non-negative number is an
+//! error in a required signal; in an optional one it leaves that signal (or that TTFT label
+//! set) out, and the reading says why (`Reading::ignored`). Text is parsed with `prometheus-parse` 0.2.5, around two of its gaps:
 //! - its name pattern is `\w+`, so it silently drops every sample whose name has a colon,
 //!   i.e. all of vLLM, SGLang and llama.cpp: colons in names are swapped for a stand-in
 //!   letter before parsing and restored after;
 //! - it silently skips lines it cannot read: every line is checked first, and one that is not
 //!   a comment or a readable sample fails the whole exposition, as it would in Prometheus.
 //!   (Its label reading is naive, e.g. a '}' inside a label value makes the line unreadable:
-//!   such an exposition is refused, never half read. Labels are not needed here anyway: every
-//!   label set of a metric counts.)
+//!   such an exposition is refused, never half read. Every label set of a metric counts;
+//!   TTFT keeps them apart, since each set's counters restart on their own.)
 //!
 //! Its regexes cost more than the rest of a scrape, so only the lines of the metrics read go
 //! through it; the others need only be sample lines by the text format (see [`scan`]).
@@ -69,9 +70,9 @@ pub struct Reading {
     pub kv_usage: Option<f64>,
     /// Cumulative TTFT histogram totals, if the dialect has one.
     pub ttft: Option<TtftSeries>,
-    /// An optional signal (KV, TTFT) the server published with a value that makes no sense,
-    /// and why: it is left out, and the load the required signals give still counts.
-    pub ignored: Option<String>,
+    /// The first value of an optional signal (KV, TTFT) that made no sense: that signal (or
+    /// that TTFT label set) is left out, and the load the required signals give still counts.
+    pub ignored: Option<DialectError>,
 }
 
 /// A TTFT histogram's cumulative `_sum` (seconds) and `_count` for one label set.
@@ -86,6 +87,7 @@ pub struct TtftTotals {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TtftSeries(pub BTreeMap<String, TtftTotals>);
 
+#[cfg(test)]
 impl TtftSeries {
     /// The totals over every label set.
     pub fn total(&self) -> TtftTotals {
@@ -295,6 +297,30 @@ impl FromStr for Dialect {
                 let names: Vec<_> = Dialect::ALL.iter().map(|d| d.as_str()).collect();
                 format!("unknown dialect {s:?} (one of {})", names.join(", "))
             })
+    }
+}
+
+impl DialectError {
+    /// The same fault in the same metric, whatever the value: a gauge that stays out of
+    /// range while it moves is one fault, logged once.
+    pub fn same_fault(&self, other: &Self) -> bool {
+        match (self, other) {
+            (
+                DialectError::BadValue {
+                    dialect: a,
+                    metric: m,
+                    why: w,
+                    ..
+                },
+                DialectError::BadValue {
+                    dialect: b,
+                    metric: n,
+                    why: x,
+                    ..
+                },
+            ) => (a, m, w) == (b, n, x),
+            _ => self == other,
+        }
     }
 }
 
@@ -676,11 +702,13 @@ fn read(spec: &Spec, samples: &Samples) -> Result<Reading, DialectError> {
     // A bad value in an optional signal costs that signal, not the scrape: the queue the
     // required ones show is what keeps a server from overheating.
     let mut ignored = None;
-    let kv_usage = optional(kv_usage(d, spec, samples), &mut ignored);
-    let ttft = match spec.ttft {
-        Some(family) => optional(ttft_series(d, family, samples), &mut ignored),
-        None => None,
-    };
+    let kv_usage = kv_usage(d, spec, samples).unwrap_or_else(|e| {
+        ignored = Some(e);
+        None
+    });
+    let ttft = spec
+        .ttft
+        .and_then(|family| ttft_series(d, family, samples, &mut ignored));
     Ok(Reading {
         dialect: d,
         running,
@@ -688,14 +716,6 @@ fn read(spec: &Spec, samples: &Samples) -> Result<Reading, DialectError> {
         kv_usage,
         ttft,
         ignored,
-    })
-}
-
-/// An optional signal's value; on an error, none, and the first such error in `ignored`.
-fn optional<T>(signal: Result<Option<T>, DialectError>, ignored: &mut Option<String>) -> Option<T> {
-    signal.unwrap_or_else(|e| {
-        ignored.get_or_insert(e.to_string());
-        None
     })
 }
 
@@ -781,11 +801,14 @@ fn bad(dialect: Dialect, metric: &str, value: f64, why: &'static str) -> Dialect
 /// sum), and leaves `_sum` and `_count` as separate untyped samples; without the TYPE line
 /// the buckets stay untyped `_bucket` samples. So: the sum from `_sum`, the count from
 /// `_count`, or failing that from the `+Inf` buckets in either form; a label set needs both.
+/// A label set with a value that is not a finite non-negative number is left out, and the
+/// first such fault kept in `ignored` (if none is there yet).
 fn ttft_series(
     d: Dialect,
     family: &str,
     samples: &Samples,
-) -> Result<Option<TtftSeries>, DialectError> {
+    ignored: &mut Option<DialectError>,
+) -> Option<TtftSeries> {
     let sum_name = format!("{family}_sum");
     let count_name = format!("{family}_count");
     let sums = labelled(samples, &sum_name);
@@ -797,13 +820,19 @@ fn ttft_series(
     }
     let mut series = BTreeMap::new();
     for (labels, sum_s) in sums {
-        check(d, &sum_name, sum_s)?;
-        if let Some(&count) = counts.get(&labels) {
-            check(d, &count_metric, count)?;
-            series.insert(labels, TtftTotals { sum_s, count });
+        let Some(&count) = counts.get(&labels) else {
+            continue;
+        };
+        match check(d, &sum_name, sum_s).and_then(|()| check(d, &count_metric, count)) {
+            Ok(()) => {
+                series.insert(labels, TtftTotals { sum_s, count });
+            }
+            Err(e) => {
+                ignored.get_or_insert(e);
+            }
         }
     }
-    Ok((!series.is_empty()).then_some(TtftSeries(series)))
+    (!series.is_empty()).then_some(TtftSeries(series))
 }
 
 /// A label set as a key: its pairs other than `le`, sorted.
@@ -1354,17 +1383,39 @@ process_cpu_seconds_total 12.5
         let r = ok(&kv_nan);
         assert_eq!((r.running, r.waiting, r.kv_usage), (3.0, 1.0, None));
         assert_eq!(
-            r.ignored.as_deref(),
-            Some("vllm: vllm:gpu_cache_usage_perc = NaN: not a number")
+            r.ignored.unwrap().to_string(),
+            "vllm: vllm:gpu_cache_usage_perc = NaN: not a number"
         );
         let ttft_neg = TRTLLM.replace("} 24.0", "} -24.0");
         let r = ok(&ttft_neg);
         assert_eq!((r.running, r.kv_usage, r.ttft), (12.0, Some(0.55), None));
         assert_eq!(
-            r.ignored.as_deref(),
-            Some("trtllm: trtllm_time_to_first_token_seconds_sum = -24: negative")
+            r.ignored.unwrap().to_string(),
+            "trtllm: trtllm_time_to_first_token_seconds_sum = -24: negative"
         );
         assert_eq!(ok(TRTLLM).ignored, None);
+        // One engine's bad TTFT leaves that engine out, not the other.
+        let r = ok(&VLLM_TWO_ENGINES.replace("} 6.5", "} NaN"));
+        let engines: Vec<_> = r.ttft.unwrap().0.into_iter().collect();
+        assert_eq!(engines.len(), 1, "{engines:?}");
+        assert!(engines[0].0.contains("engine=\"1\""), "{engines:?}");
+        assert_eq!(
+            engines[0].1,
+            TtftTotals {
+                sum_s: 3.5,
+                count: 60.0
+            }
+        );
+        assert!(r
+            .ignored
+            .unwrap()
+            .to_string()
+            .ends_with("= NaN: not a number"));
+        // A value that moves while it stays wrong is one fault.
+        let fault = |v: &str| err(&plain(v));
+        assert!(fault("-1").same_fault(&fault("-2")));
+        assert!(!fault("-1").same_fault(&fault("NaN")));
+        assert!(!fault("-1").same_fault(&DialectError::NoSamples));
         // A bad value in an unrelated metric is none of our business.
         let other = format!("{PLAIN}some_ratio NaN\nsome_other -3\n");
         assert_eq!(ok(&other).running, 2.0);
@@ -1376,7 +1427,7 @@ process_cpu_seconds_total 12.5
         let ignored = |body: &str| {
             let r = ok(body);
             assert_eq!(r.kv_usage, None);
-            r.ignored.unwrap()
+            r.ignored.unwrap().to_string()
         };
         assert_eq!(
             ignored(&kv("1.5")),

@@ -313,10 +313,11 @@ pub struct BackendHop {
 /// forged packets could make it send one thing per packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Limit {
-    /// ICMP "too big" answers, at Linux's limits for its own ICMP errors
-    /// (`net.ipv4.icmp_msgs_per_sec`, `icmp_msgs_burst`). An answer is shorter than the
-    /// packet it answers, but would go to whatever source the packet names; a sender doing
-    /// path MTU discovery needs one per connection.
+    /// ICMP "too big" answers, at the rate and burst Linux allows its own ICMP errors
+    /// (`net.ipv4.icmp_msgs_per_sec`, `icmp_msgs_burst`), though per CPU here where Linux's
+    /// limit is for the whole host. An answer is shorter than the packet it answers, but
+    /// would go to whatever source the packet names; a sender doing path MTU discovery needs
+    /// one per connection.
     TooBigAnswers,
     /// Reports of flows placed without their SYN (guesses, `FLOW_EVENT_ALIVE`) to the other
     /// gateways: forged mid-stream packets would otherwise fill `FLOW_EVENTS` and crowd out
@@ -326,7 +327,7 @@ pub enum Limit {
 }
 
 impl Limit {
-    pub const COUNT: u32 = 2;
+    pub const COUNT: u32 = Limit::GuessReports as u32 + 1;
 
     /// (per second, burst).
     pub const fn rate(self) -> (u64, u64) {

@@ -407,12 +407,18 @@ fn new_flow(
         return Ok((id, backend.addr, backend.port, hop));
     }
     // A flow placed without its SYN is a guess (another gateway's flow, its entry lost):
-    // shared at once, but never over an entry that another gateway has.
+    // shared at once, but never over an entry that another gateway has. Past this CPU's
+    // allowance of such reports, it is shared at its next packet a second or more later, as
+    // a keepalive is, which a forged packet never has.
     if entry.synced != 0 && !syn {
         if allowed(Limit::GuessReports, now) {
             sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
         } else {
             count(Counter::SyncGuessLimited);
+            if let Some(e) = FLOWS.get_ptr_mut(&pkt.key) {
+                // SAFETY: valid for this run; the field is written whole.
+                unsafe { (*e).synced = sync::overdue(now, entry.idle_timeout_s) };
+            }
         }
     }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(id) {

@@ -41,9 +41,33 @@ pub fn keepalive(key: &FlowKey, entry: &mut FlowEntry, now: u64) {
         return;
     }
     let e = sync_epoch(now);
-    let every = (u64::from(entry.idle_timeout_s) * NS_PER_S / 3) >> 30;
-    let every = if every == 0 { 1 } else { every as u32 };
-    if e.wrapping_sub(entry.synced) >= every && report(key, entry, FLOW_EVENT_ALIVE, now) {
+    if e.wrapping_sub(entry.synced) >= every(entry.idle_timeout_s)
+        && report(key, entry, FLOW_EVENT_ALIVE, now)
+    {
         entry.synced = e;
+    }
+}
+
+/// Epochs between keepalives: a third of the idle timeout, at least one.
+#[inline(always)]
+fn every(idle_timeout_s: u32) -> u32 {
+    let every = (u64::from(idle_timeout_s) * NS_PER_S / 3) >> 30;
+    if every == 0 {
+        1
+    } else {
+        every as u32
+    }
+}
+
+/// A `FlowEntry::synced` that makes the flow's next keepalive check report it: a report
+/// that was due and did not go out.
+#[inline(always)]
+pub fn overdue(now: u64, idle_timeout_s: u32) -> u32 {
+    let e = sync_epoch(now).wrapping_sub(every(idle_timeout_s));
+    // 0 means "not shared"; epoch 1 is as old as a clock this young has.
+    if e == 0 {
+        1
+    } else {
+        e
     }
 }

@@ -716,9 +716,7 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     // That flow goes quiet past its idle timeout, no FIN seen (the client vanished): a packet
     // on its tuple places it anew, and the one it replaces is closed on its server, once.
     let key = flow_key(n, n.vip, 40001);
-    let mut e = h.dp.flow_table().get(&key, 0)?;
-    e.last_seen_ns -= (u64::from(e.idle_timeout_s) + 2) * 1_000_000_000;
-    h.dp.flow_table().insert(key, e, 0)?;
+    expire(h, &key)?;
     let ack = syn.with(|f| f.flags = "A");
     h.expect(
         &format!("{fam} ACK on an expired flow"),
@@ -1649,6 +1647,16 @@ fn a_syn_leaves_a_down_server(
     Ok(())
 }
 
+/// Makes the flow `key`'s entry idle past its timeout, as if it had gone quiet long ago.
+fn expire(h: &mut Harness, key: &balancer_common::FlowKey) -> Result<()> {
+    let mut e = h.dp.flow_table().get(key, 0)?;
+    // A short timeout rather than a long-past time: the clock starts at boot.
+    e.idle_timeout_s = 2;
+    e.last_seen_ns = e.last_seen_ns.saturating_sub(4_000_000_000);
+    h.dp.flow_table().insert(key, e, 0)?;
+    Ok(())
+}
+
 /// The epoch a cached next hop is good for: the program's clock >> 30.
 fn epoch() -> u32 {
     (balancer_agent::dataplane::monotonic_ns() >> 30) as u32
@@ -1972,22 +1980,25 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
 }
 
 /// A flood of packets too big for their next hop: answered at the rate Linux sends its own
-/// ICMP errors, after a burst per CPU, and the rest dropped unanswered.
+/// ICMP errors, after a burst, and the rest dropped unanswered.
 fn too_big_flood(h: &mut Harness, fam: &str, big: &[u8]) -> Result<()> {
     let limit = Limit::TooBigAnswers;
-    let flood = 4 * limit.rate().1 * cpus()?;
+    let flood = 4 * limit.rate().1;
     let before = (
         h.counter(Counter::TooBigAnswered),
         h.counter(Counter::DropTooBigLimited),
     );
-    let started = refilled(limit);
-    for k in 0..flood {
-        let (v, _) = h.run(h.g0, big)?;
-        ensure!(
-            v == XDP_TX || v == XDP_DROP,
-            "{fam}: oversize packet {k} of a flood: verdict {v}"
-        );
-    }
+    let started = on_this_cpu(|| {
+        let started = refilled(limit);
+        for k in 0..flood {
+            let (v, _) = h.run(h.g0, big)?;
+            ensure!(
+                v == XDP_TX || v == XDP_DROP,
+                "{fam}: oversize packet {k} of a flood: verdict {v}"
+            );
+        }
+        Ok(started)
+    })?;
     let answered = h.counter(Counter::TooBigAnswered) - before.0;
     let limited = h.counter(Counter::DropTooBigLimited) - before.1;
     ensure!(
@@ -1998,10 +2009,6 @@ fn too_big_flood(h: &mut Harness, fam: &str, big: &[u8]) -> Result<()> {
         .with_context(|| format!("{fam}: oversize packets answered"))
 }
 
-fn cpus() -> Result<u64> {
-    Ok(std::thread::available_parallelism()?.get() as u64)
-}
-
 /// Waits until every CPU's allowance under `limit` is a full burst again; returns when.
 fn refilled(limit: Limit) -> std::time::Instant {
     let (per_s, burst) = limit.rate();
@@ -2009,9 +2016,10 @@ fn refilled(limit: Limit) -> std::time::Instant {
     std::time::Instant::now()
 }
 
-/// `used` of `flood` tries since `started`, all on full allowances, fit `limit`: at least a
-/// burst, at most a burst for each CPU the test may have moved to and what each earned
-/// meanwhile (and a tick of the coarse clock).
+/// `used` of `flood` tries on one CPU since `started`, when its allowance under `limit` was
+/// full, fit that limit: at least a burst, at most a burst and what the CPU earned meanwhile,
+/// with a tick of the coarse clock to spare (10 ms at HZ = 100). Leaves every allowance full
+/// again for the cases after.
 fn within_allowance(
     limit: Limit,
     flood: u64,
@@ -2020,11 +2028,12 @@ fn within_allowance(
 ) -> Result<()> {
     let (per_s, burst) = limit.rate();
     let ms = started.elapsed().as_millis() as u64;
-    let most = cpus()? * (burst + (ms + 5) * per_s / 1000);
+    let most = burst + (ms + 11) * per_s / 1000;
     ensure!(
         (burst..=most).contains(&used),
         "{used} of {flood} in {ms} ms, expected at least {burst} and at most {most}"
     );
+    refilled(limit);
     Ok(())
 }
 
@@ -2302,12 +2311,16 @@ fn reports(
     // A flood of them (forged, most likely): reported up to each CPU's allowance; every one
     // is still placed.
     let limit = Limit::GuessReports;
-    let flood = 3 * limit.rate().1 * cpus()?;
+    let flood = 3 * limit.rate().1;
     let limited = h.counter(Counter::SyncGuessLimited);
-    let started = refilled(limit);
-    for k in 0..flood {
-        run(h, g0, &ack.with(|f| f.sport = 20000 + k as u16))?;
-    }
+    let guess = |k: u64| ack.with(|f| f.sport = 20000 + k as u16);
+    let started = on_this_cpu(|| {
+        let started = refilled(limit);
+        for k in 0..flood {
+            run(h, g0, &guess(k))?;
+        }
+        Ok(started)
+    })?;
     let shared = reported(ring);
     ensure!(
         shared.iter().all(|e| e.kind == Kind::Alive),
@@ -2324,6 +2337,25 @@ fn reports(
         );
         within_allowance(limit, flood, shared, started)
             .with_context(|| format!("{fam}: guesses reported"))?;
+        // At its next packet a second or more later, a guess past the allowance is shared
+        // (one that was shared is not shared again).
+        for (k, now_shared) in [(0, false), (flood - 1, true)] {
+            let port = 20000 + k as u16;
+            let key = flow_key(n, n.vip, port);
+            let mut e = h.dp.flow_table().get(&key, 0)?;
+            e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
+            h.dp.flow_table().insert(key, e, 0)?;
+            run(h, g0, &guess(k))?;
+            let expect = if now_shared {
+                vec![event(Kind::Alive, port)]
+            } else {
+                vec![]
+            };
+            ensure!(
+                reported(ring) == expect,
+                "{fam}: guess {k} of {flood} at its next packet"
+            );
+        }
     } else {
         ensure!(
             (shared, limited) == (0, 0),
@@ -2383,12 +2415,10 @@ fn adopted(
     );
     let (v, _) = h.run(g0, &data.with(|f| f.flags = "FA").bytes())?;
     ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
-    let reported = reported(ring);
+    let closes = reported(ring);
     ensure!(
-        reported.len() == 1
-            && reported[0].kind == Kind::Close
-            && reported[0].backend.ip() == theirs,
-        "{fam}: the adopted flow's close: {reported:?}"
+        closes.len() == 1 && closes[0].kind == Kind::Close && closes[0].backend.ip() == theirs,
+        "{fam}: the adopted flow's close: {closes:?}"
     );
     let after = h.stats(id(theirs));
     ensure!(
@@ -2422,6 +2452,33 @@ fn adopted(
     ensure!(
         after.flows_closed == before.flows_closed + 1,
         "{fam}: a close through a peer counted {} times",
+        after.flows_closed - before.flows_closed
+    );
+    // A flow this gateway opened that went quiet here past its idle timeout (its packets go
+    // to a peer now), which the peer reports alive: adopted, and its close counted here, once.
+    let sport = 40312;
+    let syn = client_syn(n, n.vip_multi, sport);
+    let (v, _) = h.run(g0, &syn.bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: SYN verdict {v}");
+    let mine = maglev_pick(n, sport, table, id)?;
+    let key = multi_key(n, sport);
+    expire(h, &key)?;
+    let before = h.stats(id(mine));
+    ensure!(
+        h.dp.adopt_flow(&key, target(mine), 600, Kind::Alive)?,
+        "{fam}: an expired flow of ours not adopted"
+    );
+    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "FA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let closes = reported(ring);
+    ensure!(
+        closes.len() == 1 && closes[0].kind == Kind::Close,
+        "{fam}: the adopted flow's close: {closes:?}"
+    );
+    let after = h.stats(id(mine));
+    ensure!(
+        after.flows_closed == before.flows_closed + 1,
+        "{fam}: an expired flow of ours adopted from a peer: {} closes counted",
         after.flows_closed - before.flows_closed
     );
     reported_nothing_else(ring, fam)
