@@ -623,7 +623,12 @@ fn balanced_prefixes() -> Vec<Prefix> {
 
 fn homes_and_hit_rate(bed: &mut Bed) -> Result<()> {
     bed.restart_sims(|_| home_share_args())?;
-    bed.start_agent(&config(bed.topology, SMALL_SLOTS))?;
+    // No overload here: what is measured is where the prefixes go while every home has
+    // room. A recent TTFT past the default threshold, which a few uncached prefills on a
+    // starved CPU can reach, would spill them; the spill scenarios below keep the default.
+    let mut no_overload = config(bed.topology, SMALL_SLOTS);
+    no_overload.pools[0].spill_ttft_ms = Some(3000);
+    bed.start_agent(&no_overload)?;
     let prefixes = balanced_prefixes();
     // Every round asks each prefix once, in a new order.
     let mut rng = Rng(0x5eed_cafe_f00d_0001);
@@ -1456,7 +1461,8 @@ fn example_story(
     let mark = bed.log_len();
     load_home();
     // The home's steady state: a queue, and a TTFT past the threshold but no longer the
-    // start-up pile-up behind the first batch (2 s and more).
+    // start-up pile-up behind the first batch (2 s and more); 10.4.0.13's TTFT, averaged
+    // over a few requests, below 10.4.0.11's, as its lighter background load makes it.
     let pool = bed.wait_show(
         "the home at 3 waiting and a TTFT past the threshold",
         SETTLE + SETTLE / 2,
@@ -1468,7 +1474,8 @@ fn example_story(
                 && best.waiting == Some(0.0)
                 && other.waiting == Some(0.0)
                 && best.ttft_ms.is_some()
-                && other.ttft_ms.is_some())
+                && other.ttft_ms.is_some()
+                && best.ttft_ms < other.ttft_ms)
         },
     )?;
     println!("the agent's picture (show pool {POOL}):\n{}", table(&pool));

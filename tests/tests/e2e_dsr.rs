@@ -273,8 +273,24 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             })
             .collect();
         // Both pools draining before the probes.
-        thread::sleep(Duration::from_millis(300));
-        let probes = probe(client, "while draining");
+        let draining = POOLS.iter().try_for_each(|&(pool, family)| {
+            let server = family.backend(index);
+            let is_it = |s: &str| s.parse::<SocketAddr>().is_ok_and(|a| a.ip() == server);
+            agent
+                .wait_show(
+                    pool,
+                    &format!("{server} draining"),
+                    (Duration::from_secs(10), Duration::from_millis(20)),
+                    |view| {
+                        Ok(view
+                            .servers
+                            .iter()
+                            .any(|s| is_it(&s.server) && s.state == "DRAINING"))
+                    },
+                )
+                .map(|_| ())
+        });
+        let probes = draining.and_then(|()| probe(client, "while draining"));
         let seen: Vec<_> = readers.into_iter().map(|r| r.join()).collect();
         let drains: Vec<_> = drains.into_iter().map(|d| d.join()).collect();
         (drains, probes, seen)

@@ -518,9 +518,10 @@ fn deferred_queue(bed: &Bed) -> Result<()> {
         let streams = flood.join().expect("the flood does not panic")?;
         // Weighted again is not yet room: while its slots are all busy the program's spill
         // budget sends new connections elsewhere. Those slots free as the streams end, which
-        // the agent learns at its next scrape.
-        timeline.until(bed, "seen with a free slot", |row| {
-            row.weight > 0 && row.running.is_some_and(|r| r < f64::from(SLOTS))
+        // the agent learns at its next scrape; idle, the server has the other's weight and
+        // every slot free, so that 20 connections all missing it is a one-in-a-million event.
+        timeline.until(bed, "seen idle", |row| {
+            row.weight > 0 && row.running == Some(0.0) && row.waiting == Some(0.0)
         })?;
         for (k, s) in streams.iter().enumerate() {
             let n = s.text_events().count();
