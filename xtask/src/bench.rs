@@ -55,13 +55,17 @@ pub fn run(quick: bool) -> Result<()> {
     // Build first, so that the timings below are the benchmarks' own.
     let built = Instant::now();
     println!("==> building the benchmarks (release)");
+    // The agent with the benchmarks, as `release_agent_binary` in tests/src/agent.rs builds
+    // it: built alone it would be compiled a second time with other features.
     cmd::run(cmd::cargo().current_dir(&root).args([
         "build",
         "--release",
         "-p",
+        "balancer-tests",
+        "-p",
         "balancer-agent",
-        "--bin",
-        "balancer-agent",
+        "--bins",
+        "--benches",
     ]))?;
     cmd::run(
         cmd::cargo()
