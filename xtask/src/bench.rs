@@ -268,12 +268,16 @@ fn header(
          too (that packet cost about twice as much before, in an A/B run). The direct \
          server return rows change no address, port or checksum and cost about what the NAT \
          rows cost: the rewrite is not where the time goes.\n\
-         - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 3x \
+         - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
-         the systems differ; the p50 is steady.\n\
+         the systems differ. At 03:47 on 2026-12-02 ours stayed between 1.7 and 3.6 ms while \
+         nftables had two quiet rounds under 0.9 ms (and HAProxy one): a tail of ours on a \
+         quiet machine that we have not explained (stopping the agent did not change it, on \
+         2026-12-01). The p50 is steady, within a few percent of nftables (0.372 against 0.364 \
+         ms at 03:47, ahead at 00:39).\n\
          - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
-         the last three runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
-         11% at 00:39 on 2026-12-02), \
+         the last four runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
+         11% at 00:39 on 2026-12-02, by 24% at 03:47), \
          where ours had led it by 5% on 2026-11-30 (per-round table in section 2). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
