@@ -415,6 +415,9 @@ fn new_flow(
             sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
         } else {
             count(Counter::SyncGuessLimited);
+            // By reference: by value, the key is copied onto a stack that has no room left
+            // for it here (LLVM refuses the frame).
+            #[allow(clippy::needless_borrows_for_generic_args)]
             if let Some(e) = FLOWS.get_ptr_mut(&pkt.key) {
                 // SAFETY: valid for this run; the field is written whole.
                 unsafe { (*e).synced = sync::overdue(now, entry.idle_timeout_s) };
