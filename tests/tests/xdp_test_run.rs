@@ -2321,13 +2321,14 @@ fn reports(
         }
         Ok(started)
     })?;
-    let shared = reported(ring);
+    let events = reported(ring);
     ensure!(
-        shared.iter().all(|e| e.kind == Kind::Alive),
-        "{fam}: a flood of guesses reported {shared:?}"
+        events.iter().all(|e| e.kind == Kind::Alive),
+        "{fam}: a flood of guesses reported {events:?}"
     );
+    let ports: std::collections::HashSet<u16> = events.iter().map(|e| e.client.port()).collect();
     let (shared, limited) = (
-        shared.len() as u64,
+        events.len() as u64,
         h.counter(Counter::SyncGuessLimited) - limited,
     );
     if sharing {
@@ -2338,9 +2339,15 @@ fn reports(
         within_allowance(limit, flood, shared, started)
             .with_context(|| format!("{fam}: guesses reported"))?;
         // At its next packet a second or more later, a guess past the allowance is shared
-        // (one that was shared is not shared again).
-        for (k, now_shared) in [(0, false), (flood - 1, true)] {
-            let port = 20000 + k as u16;
+        // (one that was shared is not shared again). Which were past it depends on when the
+        // coarse clock ticked during the flood: the ring says.
+        let port = |k: u64| 20000 + k as u16;
+        let last_limited = (0..flood)
+            .rev()
+            .find(|&k| !ports.contains(&port(k)))
+            .context("no guess was past the allowance")?;
+        for (k, now_shared) in [(0, false), (last_limited, true)] {
+            let port = port(k);
             let key = flow_key(n, n.vip, port);
             let mut e = h.dp.flow_table().get(&key, 0)?;
             e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
