@@ -27,7 +27,8 @@
 //! Nothing is guessed: a missing required signal (running, waiting) is an error, a missing
 //! optional one (KV, TTFT) is `None`. A value that is not a finite non-negative number is an
 //! error in a required signal; in an optional one it leaves that signal (or that TTFT label
-//! set) out, and the reading says why (`Reading::ignored`). Text is parsed with `prometheus-parse` 0.2.5, around two of its gaps:
+//! set) out, and the reading says why (`Reading::ignored`). Text is parsed with
+//! `prometheus-parse` 0.2.5, around two of its gaps:
 //! - its name pattern is `\w+`, so it silently drops every sample whose name has a colon,
 //!   i.e. all of vLLM, SGLang and llama.cpp: colons in names are swapped for a stand-in
 //!   letter before parsing and restored after;
@@ -759,11 +760,16 @@ fn scalars(samples: &Samples, name: &str) -> Vec<f64> {
         .get(name)
         .into_iter()
         .flatten()
-        .filter_map(|s| match s.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => Some(v),
-            Value::Histogram(_) | Value::Summary(_) => None,
-        })
+        .filter_map(|s| scalar(&s.value))
         .collect()
+}
+
+/// A sample's value when it is one number: a counter, gauge or untyped sample.
+fn scalar(value: &Value) -> Option<f64> {
+    match *value {
+        Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => Some(v),
+        Value::Histogram(_) | Value::Summary(_) => None,
+    }
 }
 
 fn sum(d: Dialect, name: &str, values: Vec<f64>) -> Result<f64, DialectError> {
@@ -851,12 +857,7 @@ fn labelled(samples: &Samples, name: &str) -> BTreeMap<String, f64> {
         .get(name)
         .into_iter()
         .flatten()
-        .filter_map(|s| match s.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => {
-                Some((series_key(&s.labels), v))
-            }
-            Value::Histogram(_) | Value::Summary(_) => None,
-        })
+        .filter_map(|s| Some((series_key(&s.labels), scalar(&s.value)?)))
         .collect()
 }
 
@@ -879,12 +880,7 @@ fn inf_buckets(samples: &Samples, family: &str) -> BTreeMap<String, f64> {
                 .get("le")
                 .is_some_and(|le| le.parse::<f64>() == Ok(f64::INFINITY))
         })
-        .filter_map(|s| match s.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => {
-                Some((series_key(&s.labels), v))
-            }
-            _ => None,
-        });
+        .filter_map(|s| Some((series_key(&s.labels), scalar(&s.value)?)));
     grouped.chain(loose).collect()
 }
 

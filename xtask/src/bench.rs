@@ -273,8 +273,8 @@ fn header(
          the systems differ. At 03:47 on 2026-12-02 ours stayed between 1.7 and 3.6 ms while \
          nftables had two quiet rounds under 0.9 ms (and HAProxy one): a tail of ours on a \
          quiet machine that we have not explained (stopping the agent during the measurement \
-         did not change it). The p50 is steady, within a few percent of nftables (0.372 against 0.364 \
-         ms at 03:47, ahead at 00:39).\n\
+         did not change it). The p50 is steady, within a few percent of nftables (0.372 \
+         against 0.364 ms at 03:47, ahead at 00:39).\n\
          - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
          the last four runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
          11% at 00:39 on 2026-12-02, by 24% at 03:47), \
