@@ -400,6 +400,8 @@ struct Kept<'a> {
     /// 1-based, for messages.
     number: usize,
     line: &'a str,
+    /// The line as prometheus-parse is given it ([`for_parser`]).
+    text: String,
     sample: bool,
     /// The TTFT family, for a line of its buckets.
     bucket_of: Option<&'static str>,
@@ -463,6 +465,7 @@ fn scan(body: &str, specs: &[Spec], only_read: bool) -> Result<Exposition, Diale
             kept.push(Kept {
                 number: i + 1,
                 line,
+                text: for_parser(line),
                 sample: sample.is_some(),
                 bucket_of,
             });
@@ -505,7 +508,7 @@ fn classify(specs: &[Spec], marks: &mut [bool], name: &str) -> (bool, Option<&'s
 fn read_lines<'a>(
     lines: impl Iterator<Item = &'a Kept<'a>> + Clone,
 ) -> Result<Samples, DialectError> {
-    let scrape = Scrape::parse(lines.clone().map(|k| Ok(protect_colons(k.line))))
+    let scrape = Scrape::parse(lines.clone().map(|k| Ok(k.text.clone())))
         .map_err(|_| DialectError::NoSamples)?;
     // Each sample line it reads is one value (or one bucket or quantile of one), so fewer
     // values than lines means it skipped some: only then is each line checked (the check
@@ -538,7 +541,7 @@ fn read_lines<'a>(
 /// The first of these lines prometheus-parse would not read as it is meant.
 fn first_bad<'a>(mut lines: impl Iterator<Item = &'a Kept<'a>>) -> Option<DialectError> {
     lines.find_map(|k| {
-        check_line(&protect_colons(k.line))
+        check_line(&k.text)
             .err()
             .map(|reason| syntax(k.number, k.line, reason))
     })
@@ -619,9 +622,12 @@ fn type_line(t: &str) -> Option<(&str, &str)> {
     Some((name, split_name(rest.trim_start()).0))
 }
 
-/// Replaces ':' in the metric name of a sample line or of a `# HELP`/`# TYPE` line, and drops
-/// an empty label set (`name{} 1`), which prometheus-parse does not read either.
-fn protect_colons(line: &str) -> String {
+/// A kept line as prometheus-parse reads it as meant: ':' replaced in the metric name of a
+/// sample line or of a `# HELP`/`# TYPE` line, and a sample's label set rewritten by
+/// [`labels_for_parser`] (an empty one dropped: prometheus-parse does not read `name{} 1`).
+/// A label set that is not one by the text format is left for prometheus-parse to read as
+/// it does (see [`first_bad`]).
+fn for_parser(line: &str) -> String {
     let rest = line.trim_start();
     let name_at = match rest.strip_prefix('#') {
         // "#", spaces, keyword, spaces, name, rest.
@@ -638,10 +644,7 @@ fn protect_colons(line: &str) -> String {
         }
         None => line.len() - rest.len(),
     };
-    let (name, mut tail) = split_name(&line[name_at..]);
-    if !rest.starts_with('#') {
-        tail = tail.strip_prefix("{}").unwrap_or(tail);
-    }
+    let (name, tail) = split_name(&line[name_at..]);
     let mut out = String::with_capacity(line.len() + 8);
     out.push_str(&line[..name_at]);
     for (i, part) in name.split(':').enumerate() {
@@ -650,8 +653,88 @@ fn protect_colons(line: &str) -> String {
         }
         out.push_str(part);
     }
-    out.push_str(tail);
+    let labels = tail.strip_prefix('{').filter(|_| !rest.starts_with('#'));
+    match labels.and_then(labels_for_parser) {
+        Some((labels, after)) => {
+            if !labels.is_empty() {
+                out.push('{');
+                out.push_str(&labels);
+                out.push('}');
+            }
+            out.push_str(after);
+        }
+        None => out.push_str(tail),
+    }
     out
+}
+
+/// A sample's label set (`s` starts after its '{') for prometheus-parse, and what follows
+/// its '}'; None if it is not a label set by the text format (`name="value"` pairs, commas
+/// between, `\\`, `\"` and `\n` escapes). prometheus-parse splits pairs at every ',' and '='
+/// and ends the set at the first '}', quoted or not: so each value is unescaped, then those
+/// characters, '"', '\\', '%' and line breaks in it are percent-encoded. Distinct values stay
+/// distinct (the agent only compares them, as a series' key, see [`series_key`]) and numbers
+/// (`le`) stay as they are. Spaces between pairs go.
+fn labels_for_parser(s: &str) -> Option<(String, &str)> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s.trim_start();
+    loop {
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((out, after));
+        }
+        let name_len = rest
+            .bytes()
+            .position(|b| !(b.is_ascii_alphanumeric() || b == b'_'))
+            .unwrap_or(rest.len());
+        let (name, after) = rest.split_at(name_len);
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+            return None;
+        }
+        let value = after
+            .trim_start()
+            .strip_prefix('=')?
+            .trim_start()
+            .strip_prefix('"')?;
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(name);
+        out.push_str("=\"");
+        let mut chars = value.char_indices();
+        let end = loop {
+            let c = match chars.next()? {
+                (i, '"') => break i + 1,
+                (_, '\\') => match chars.next()?.1 {
+                    'n' => '\n',
+                    c @ ('\\' | '"') => c,
+                    // Not an escape: Prometheus keeps both characters.
+                    c => {
+                        percent_encode('\\', &mut out);
+                        c
+                    }
+                },
+                (_, c) => c,
+            };
+            percent_encode(c, &mut out);
+        };
+        out.push('"');
+        rest = value[end..].trim_start();
+        if let Some(after_comma) = rest.strip_prefix(',') {
+            rest = after_comma.trim_start();
+        } else if !rest.starts_with('}') {
+            return None;
+        }
+    }
+}
+
+/// `c`, percent-encoded if prometheus-parse would misread it in a label value.
+fn percent_encode(c: char, out: &mut String) {
+    match c {
+        '%' | ',' | '=' | '}' | '"' | '\\' | '\n' | '\r' => {
+            out.push_str(&format!("%{:02X}", u32::from(c)));
+        }
+        c => out.push(c),
+    }
 }
 
 /// A metric name (`[a-zA-Z0-9_:]*`) at the start of `s`, and the rest.
@@ -1107,7 +1190,7 @@ process_cpu_seconds_total 12.5
 
     #[test]
     fn prometheus_parse_drops_colon_names_by_itself() {
-        // The reason for protect_colons: if this starts failing, the crate was fixed.
+        // The reason for for_parser's colons: if this starts failing, the crate was fixed.
         let raw = "# TYPE vllm:x gauge\nvllm:x 1\nplain_y 2\n";
         let s = Scrape::parse(raw.lines().map(|l| Ok(l.to_string()))).unwrap();
         let names: Vec<_> = s.samples.iter().map(|s| s.metric.as_str()).collect();
@@ -1644,15 +1727,19 @@ process_cpu_seconds_total 12.5
 
     #[test]
     fn unread_lines_need_only_be_samples() {
-        // prometheus-parse cannot read these (a '}' in a label value), Prometheus can: in a
-        // metric nobody reads they do no harm.
+        // prometheus-parse alone cannot read these (a '}' in a label value), Prometheus can;
+        // read or not, they do no harm.
         for line in [
             r#"http_requests_total{handler="/v1/models/{model_id}",method="GET"} 3"#,
             r#"odd{a="q\"}",b="\\"} 1 1700000000000"#,
         ] {
             let body = format!("{PLAIN}{line}\n");
             assert_eq!(ok(&body).running, 2.0, "{line}");
-            assert!(parse_lines(&body, None, false).is_err(), "{line}");
+            assert_eq!(
+                parse_lines(&body, None, false).unwrap(),
+                ok(&body),
+                "{line}"
+            );
         }
         // Still refused: not a sample line at all (garbage, a body cut short), or no number.
         for (line, why) in [
@@ -1671,11 +1758,11 @@ process_cpu_seconds_total 12.5
                 e => panic!("{line}: {e}"),
             }
         }
-        // In a metric that is read, prometheus-parse's reading is the rule: refused, never
-        // half read.
+        // In a metric that is read, a label set that is not one is prometheus-parse's to
+        // read: refused where it would skip the line.
         let e = err(&PLAIN.replace(
             "inference_requests_running 2",
-            r#"inference_requests_running{a="}"} 2"#,
+            r#"inference_requests_running{a="1" 2"#,
         ));
         assert!(matches!(e, DialectError::Syntax { line: 3, .. }), "{e}");
         // The first bad line is named, read or not.
@@ -1683,14 +1770,14 @@ process_cpu_seconds_total 12.5
             "{}<html>\n",
             PLAIN.replace(
                 "inference_requests_running 2",
-                "inference_requests_running{a=\"}\"} 2"
+                r#"inference_requests_running{a="1" 2"#
             )
         ));
         assert!(matches!(e, DialectError::Syntax { line: 3, .. }), "{e}");
         // TTFT buckets are read only without `_count`, and held to prometheus-parse only then.
         let odd_bucket = TRTLLM.replace(
             r#"bucket{engine_type="undefined",le="0.25""#,
-            r#"bucket{engine_type="}",le="0.25""#,
+            r#"bucket{engine_type="}"x,le="0.25""#,
         );
         assert_eq!(ok(&odd_bucket).ttft.unwrap().total().count, 96.0);
         let no_count: String = odd_bucket
@@ -1700,5 +1787,62 @@ process_cpu_seconds_total 12.5
             .collect();
         let e = err(&no_count);
         assert!(matches!(e, DialectError::Syntax { line: 8, .. }), "{e}");
+    }
+
+    #[test]
+    fn label_values_read_as_meant() {
+        // Two engines whose label values differ after a ',' (and '=', '}', escapes): two
+        // series, where prometheus-parse alone would read one label set twice.
+        for (a, b) in [
+            ("0,a", "0,b"),
+            ("x=1", "x=2"),
+            ("{0}", "{1}"),
+            (r#"q\"a"#, r#"q\\a"#),
+            ("a%2C", "a,"),
+            ("0", "0 "),
+        ] {
+            let body = VLLM_TWO_ENGINES
+                .replace(r#"engine="0""#, &format!("engine=\"{a}\""))
+                .replace(r#"engine="1""#, &format!("engine=\"{b}\""));
+            let r = ok(&body);
+            assert_eq!(r.running, ok(VLLM_TWO_ENGINES).running, "{a} {b}");
+            let series = r.ttft.unwrap();
+            assert_eq!(series.0.len(), 2, "{a} {b}: {series:?}");
+            let totals = |s: &TtftSeries| {
+                let mut t: Vec<_> = s.0.values().map(|t| (t.sum_s, t.count)).collect();
+                t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                t
+            };
+            assert_eq!(totals(&series), totals(&ok(VLLM_TWO_ENGINES).ttft.unwrap()));
+        }
+        // Spaces between pairs, a trailing comma, a '}' in a read metric's label value.
+        for labels in [
+            r#"{a="1", b="2"}"#,
+            r#"{ a = "1" ,}"#,
+            r#"{route="/v1/{id}"}"#,
+        ] {
+            let body = PLAIN.replace(
+                "inference_requests_running 2",
+                &format!("inference_requests_running{labels} 2"),
+            );
+            assert_eq!(ok(&body).running, 2.0, "{labels}");
+        }
+        assert_eq!(
+            labels_for_parser(r#"b="x,y=z}", le="+Inf" } 3"#),
+            Some((r#"b="x%2Cy%3Dz%7D",le="+Inf""#.to_string(), " 3"))
+        );
+        assert_eq!(
+            labels_for_parser(r#"a="\"\\\n\d%"} 1"#),
+            Some((r#"a="%22%5C%0A%5Cd%25""#.to_string(), " 1"))
+        );
+        for not_labels in [
+            r#"a=1}"#,
+            r#"a="1" b="2"}"#,
+            r#"1a="1"}"#,
+            r#"a="1",,}"#,
+            r#"a="1"#,
+        ] {
+            assert_eq!(labels_for_parser(not_labels), None, "{not_labels}");
+        }
     }
 }
