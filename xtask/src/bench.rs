@@ -271,10 +271,14 @@ fn header(
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ. At 03:47 on 2026-12-02 ours stayed between 1.7 and 3.6 ms while \
-         nftables had two quiet rounds under 0.9 ms (and HAProxy one): a tail of ours on a \
-         quiet machine that we have not explained (stopping the agent during the measurement \
-         did not change it). The p50 is steady, within a few percent of nftables (0.372 \
-         against 0.364 ms at 03:47, ahead at 00:39).\n\
+         nftables had two quiet rounds under 0.9 ms (and HAProxy one). Run again at 05:20 \
+         with only ours and nftables (five rounds, the same phases), the two were level: ours \
+         1.78 to 3.55 ms (median 2.46), nftables 0.82 to 3.30 ms (median 2.34); during each \
+         latency phase no CPU's softirq ran out of budget (`time_squeeze` in \
+         `/proc/net/softnet_stat` unchanged), nothing was dropped and ksoftirqd ran for 1 or \
+         2 ticks, so the tail is not softirq work deferred to a thread. Stopping the agent \
+         during the measurement did not change it either. The p50 is steady, within a few \
+         percent of nftables (0.372 against 0.364 ms at 03:47, ahead at 00:39).\n\
          - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
          the last four runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
          11% at 00:39 on 2026-12-02, by 24% at 03:47), \
