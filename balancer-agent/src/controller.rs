@@ -660,12 +660,6 @@ impl Controller {
         let (fall, rise) = (self.config.agent.fall, self.config.agent.rise);
         let now = Instant::now();
         let stale_after = self.scrape_interval() * STALE_INTERVALS;
-        let spill: HashMap<&str, u32> = self
-            .config
-            .pool
-            .iter()
-            .map(|p| (p.name.as_str(), p.spill_waiting))
-            .collect();
         let slots_of: HashMap<&str, Option<u32>> = self
             .config
             .pool
@@ -681,7 +675,7 @@ impl Controller {
             .collect();
         let mut transitions = false;
         for (key, model, result) in results {
-            let Some(spill_waiting) = spill.get(key.0.as_str()).copied() else {
+            let Some(&slots) = slots_of.get(key.0.as_str()) else {
                 continue;
             };
             let Some(s) = self.servers.get_mut(&key) else {
@@ -690,20 +684,10 @@ impl Controller {
             if s.model.is_none() {
                 s.model = model;
             }
-            // Busy only on evidence: the last scrape succeeded, is recent, and shows a queue
-            // or every slot taken (the check itself then waits for a slot); and the server
-            // took the connection. A server that died with a queue keeps its last reading,
-            // and must not stay UP on it.
-            let slots = slots_of.get(key.0.as_str()).copied().flatten();
-            let full = |r: &Reading| match slots {
-                Some(n) => r.running >= f64::from(n),
-                None => s.max_running > 0.0 && r.running >= s.max_running,
-            };
-            let queued = s.scrape_error.is_none()
-                && !s.stale(now, stale_after)
-                && s.reading
-                    .as_ref()
-                    .is_some_and(|r| r.waiting >= f64::from(spill_waiting) || full(r));
+            let fresh = (!s.stale(now, stale_after))
+                .then_some(s.reading.as_ref())
+                .flatten();
+            let queued = fresh.is_some_and(|r| queueing(r, slots, s.max_running));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
                 Err(e) if queued && Waited::explains(e) => Outcome::Busy,
@@ -1040,6 +1024,20 @@ impl DrainQuestion {
     }
 }
 
+/// Whether a fresh reading shows a server whose health check would wait: a queue of any
+/// length, or every slot taken (`slots` configured, else the most it was seen running). A
+/// check that then times out, or is answered 429 or 503, counts as busy, not failed. Any
+/// fresh reading is evidence, even when a scrape failed since: an overloaded server's
+/// `/metrics` may time out too. A server that died with a queue keeps its last reading
+/// until it goes stale (three scrape intervals), and must not stay UP on it longer.
+fn queueing(r: &Reading, slots: Option<u32>, max_running: f64) -> bool {
+    let full = match slots {
+        Some(n) => r.running >= f64::from(n),
+        None => max_running > 0.0 && r.running >= max_running,
+    };
+    r.waiting > 0.0 || full
+}
+
 fn thresholds(pool: &Pool) -> Thresholds {
     Thresholds {
         spill_waiting: f64::from(pool.spill_waiting),
@@ -1084,6 +1082,28 @@ pub fn state_name(s: State) -> &'static str {
 mod tests {
     use super::*;
     use crate::route::NotDirect;
+
+    /// Any queue, or every slot taken, is a reason for a check to wait; the spill threshold
+    /// is not.
+    #[test]
+    fn a_check_waits_behind_any_queue_or_a_full_batch() {
+        let reading = |running: f64, waiting: f64| Reading {
+            dialect: crate::dialect::Dialect::Plain,
+            running,
+            waiting,
+            kv_usage: None,
+            ttft: None,
+            ignored: None,
+        };
+        assert!(queueing(&reading(3.0, 1.0), Some(8), 0.0));
+        assert!(queueing(&reading(0.0, 0.5), None, 0.0));
+        assert!(queueing(&reading(8.0, 0.0), Some(8), 0.0));
+        assert!(queueing(&reading(6.0, 0.0), None, 6.0));
+        assert!(!queueing(&reading(7.0, 0.0), Some(8), 0.0));
+        assert!(!queueing(&reading(5.0, 0.0), None, 6.0));
+        // Nothing learned yet: no slot count to be full against.
+        assert!(!queueing(&reading(5.0, 0.0), None, 0.0));
+    }
 
     /// Only a wait may be a queue: a refused connection, an HTTP error, a wrong answer or a
     /// route the gateway cannot use fail the check whatever the server's queue.

@@ -11,6 +11,9 @@ use balancer_agent::{
 };
 use clap::{Parser, Subcommand};
 
+/// The longest `drain --wait` accepted: a year.
+const MAX_WAIT_S: u64 = 365 * 24 * 3600;
+
 /// An XDP load balancer for pools of LLM inference servers.
 #[derive(Parser)]
 #[command(version, about)]
@@ -68,8 +71,8 @@ enum Command {
         /// Return only when the server runs nothing and no connection of ours remains.
         #[arg(long)]
         wait: bool,
-        /// Give up waiting after this many seconds.
-        #[arg(long, default_value_t = 3600)]
+        /// Give up waiting after this many seconds (at most a year).
+        #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         timeout: u64,
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
@@ -384,5 +387,35 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             bail!("still not drained after {} s", limit.as_secs());
         }
         std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait too long for the clock is refused as an argument, not a panic mid-wait.
+    #[test]
+    fn drain_timeout_is_bounded() {
+        let drain = |timeout: &str| {
+            Cli::try_parse_from([
+                "balancer-agent",
+                "drain",
+                "p",
+                "10.4.0.11",
+                "--wait",
+                "--timeout",
+                timeout,
+            ])
+        };
+        assert!(drain("60").is_ok());
+        assert!(drain(&MAX_WAIT_S.to_string()).is_ok());
+        for bad in ["0", "31536001", "18446744073709551615", "soon"] {
+            let Err(e) = drain(bad) else {
+                panic!("{bad} accepted");
+            };
+            let e = e.to_string();
+            assert!(e.contains("--timeout"), "{bad}: {e}");
+        }
     }
 }
