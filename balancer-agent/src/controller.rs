@@ -158,6 +158,10 @@ pub struct Controller {
     servers: HashMap<ServerKey, Server>,
     /// Weights in the maps now, per pool in configuration order.
     applied: HashMap<String, Vec<u32>>,
+    /// The last write of the weights failed: the next refresh writes them whatever changed,
+    /// or a drain or DOWN that failed to reach the maps would stay unwritten while the
+    /// weights it decided look applied.
+    write_failed: bool,
     /// Prefix-hint buckets of the pools that take hints, and each pool's VIP id.
     affinity: HashMap<String, PoolAffinity>,
     vip_ids: HashMap<String, u32>,
@@ -205,6 +209,7 @@ impl Controller {
             dp,
             servers: HashMap::new(),
             applied: HashMap::new(),
+            write_failed: false,
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
@@ -435,6 +440,7 @@ impl Controller {
     /// Recomputes every pool's weights; writes the maps when they changed enough, or always
     /// with `force` (a state change must not wait for hysteresis).
     fn refresh(&mut self, force: bool) {
+        let force = force || self.write_failed;
         let now = Instant::now();
         let stale_after = self.scrape_interval() * STALE_INTERVALS;
         let mut changed = false;
@@ -499,9 +505,16 @@ impl Controller {
                 .ids
                 .plan(&self.config, &weights, Instant::now())
                 .and_then(|plan| self.dp.apply(&plan));
-            if let Err(e) = result {
-                warn!("writing new weights failed: {e:#}");
+            match &result {
+                // Once per failing streak: it is retried at every fold.
+                Err(e) if !self.write_failed => {
+                    warn!("writing new weights failed, retrying at every fold: {e:#}")
+                }
+                Err(_) => {}
+                Ok(()) if self.write_failed => info!("new weights written after failures"),
+                Ok(()) => {}
             }
+            self.write_failed = result.is_err();
         }
         self.refresh_affinity();
     }

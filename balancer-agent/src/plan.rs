@@ -126,6 +126,9 @@ pub struct Ids {
     /// the server's address and that VIP: its open flows' replies are still ours.
     quarantine: Vec<Quarantined>,
     next_backend: u32,
+    /// The longest idle timeout of any configuration planned so far: flows keep the timeout
+    /// they were placed with, so a reload that shortens it does not shorten their life.
+    longest_idle_s: u32,
 }
 
 impl Default for Ids {
@@ -136,6 +139,7 @@ impl Default for Ids {
             quarantine: Vec::new(),
             // Id 0 is reserved: a zeroed Maglev slot means "no backend".
             next_backend: 1,
+            longest_idle_s: 0,
         }
     }
 }
@@ -175,7 +179,7 @@ impl Ids {
             let port = u16::from_be(b.port);
             if b.flags & BACKEND_F_RETIRED != 0 {
                 let from = (pools.get(&b.vip_id)).map(|(_, key)| (reply_key(address, port), *key));
-                ids.quarantine.push((*id, now + hold(config), from));
+                ids.quarantine.push((*id, now + hold(config, 0), from));
             } else if b.flags & BACKEND_F_PRESENT != 0 {
                 let pool = pools
                     .get(&b.vip_id)
@@ -213,6 +217,7 @@ impl Ids {
             vips: HashMap::new(),
             quarantine,
             next_backend: self.next_backend,
+            longest_idle_s: longest_idle_s(config).max(self.longest_idle_s),
         };
         let mut used_vips: Vec<u32> = config
             .pool
@@ -305,7 +310,8 @@ impl Ids {
                 let (pool, address, port) = key;
                 let vip = plan.vips.iter().find(|v| v.pool == *pool).map(|v| v.key);
                 let from = vip.map(|vip| (reply_key(*address, *port), vip));
-                next.quarantine.push((*id, now + hold(config), from));
+                next.quarantine
+                    .push((*id, now + hold(config, self.longest_idle_s), from));
             }
         }
         plan.retired.sort_unstable();
@@ -351,10 +357,20 @@ fn vip_key(pool: &Pool) -> VipKey {
 }
 
 /// How long a retired id stays in quarantine: flows may name it until the longest idle
-/// timeout has passed.
-fn hold(config: &Config) -> Duration {
-    let longest = config.pool.iter().map(|p| p.idle_timeout_s).max();
-    Duration::from_secs(u64::from(longest.unwrap_or(0)) + 60)
+/// timeout they may have (`config`'s, or `earlier_s` of a configuration before it) has
+/// passed since their last packet, which for an idle flow is before now.
+fn hold(config: &Config, earlier_s: u32) -> Duration {
+    let longest = longest_idle_s(config).max(earlier_s);
+    Duration::from_secs(u64::from(longest) + 60)
+}
+
+fn longest_idle_s(config: &Config) -> u32 {
+    config
+        .pool
+        .iter()
+        .map(|p| p.idle_timeout_s)
+        .max()
+        .unwrap_or(0)
 }
 
 fn reply_key(address: IpAddr, port: u16) -> ReplyKey {
@@ -703,6 +719,35 @@ mod tests {
         let later = ids.plan(&next, &Weights::new(), now + hold).unwrap();
         assert_eq!(later.released, vec![gone]);
         assert!(reply_vips(&later, 13).is_empty());
+    }
+
+    /// A reload that shortens the idle timeout while it removes a server: the server's flows
+    /// keep the timeout they were placed with, and so does the quarantine of its id.
+    #[test]
+    fn quarantine_outlasts_a_shortened_idle_timeout() {
+        let mut ids = Ids::default();
+        let now = Instant::now();
+        let a = ids
+            .plan(
+                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
+                &Weights::new(),
+                now,
+            )
+            .unwrap();
+        let gone = id_of(&a, 12);
+        let mut short = config(&[("10.4.0.11", 100)]);
+        short.pool[0].idle_timeout_s = 10;
+        let b = ids.plan(&short, &Weights::new(), now).unwrap();
+        assert_eq!(b.retired, vec![gone]);
+        let vip = b.vips[0].key;
+        for (after_s, held) in [(71, true), (659, true), (661, false)] {
+            let c = ids
+                .clone()
+                .plan(&short, &Weights::new(), now + Duration::from_secs(after_s))
+                .unwrap();
+            assert_eq!(c.released.is_empty(), held, "after {after_s} s");
+            assert_eq!(reply_vips(&c, 12) == vec![vip], held, "after {after_s} s");
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    config::{Config, Pool},
+    config::{Config, Pool, MIN_SYNC_IDLE_TIMEOUT_S},
     control::{Request, Response},
     controller::{Controller, Handled},
     dataplane::{interface_index, Dataplane},
@@ -154,44 +154,18 @@ pub async fn run(config_path: &Path) -> Result<()> {
 /// Applies a new configuration to new flows; established flows keep their backends. With
 /// `[sync]` (`sender`), the key files are read again.
 fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<usize> {
-    let new = Config::load(path)?;
+    let mut new = Config::load(path)?;
     for name in &new.agent.interfaces {
         // Checked before anything is applied, so that a typo changes nothing.
         interface_index(name)?;
     }
     let mut c = lock(ctl);
-    let old = c.config().agent.clone();
-    if new.agent.flow_table_entries != old.flow_table_entries {
-        warn!("agent.flow_table_entries changes only when the agent restarts");
-    }
-    if new.agent.control_socket != old.control_socket {
-        warn!("agent.control_socket changes only when the agent restarts");
-    }
-    if new.agent.metrics_listen != old.metrics_listen {
-        warn!("agent.metrics_listen changes only when the agent restarts");
-    }
-    if new.agent.pin_dir != old.pin_dir {
-        warn!("agent.pin_dir changes only when the agent restarts");
-    }
-    let mut new = new;
-    // The keys change now (a rollout goes through reloads); the socket and the peers, or
-    // sharing at all, at a restart.
-    let keys = match (&mut new.sync, &c.config().sync, sender) {
-        (Some(next), Some(running), Some(sender)) => {
-            if !next.same_peering(running) {
-                warn!("sync.listen and sync.peers change only when the agent restarts");
-                next.listen = running.listen;
-                next.peers = running.peers.clone();
-            }
-            Some((sender, sync::Keys::load(next)?))
-        }
-        (next, running, _) => {
-            if *next != *running {
-                warn!("[sync] starts or stops only when the agent restarts");
-                *next = running.clone();
-            }
-            None
-        }
+    let file_shares = new.sync.is_some();
+    keep_restart_only(&mut new, c.config())?;
+    // The keys change now (a rollout goes through reloads).
+    let keys = match (&new.sync, sender) {
+        (Some(next), Some(sender)) if file_shares => Some((sender, sync::Keys::load(next)?)),
+        _ => None,
     };
     for pool in &new.pool {
         let same_vip = |p: &&Pool| (p.vip, p.port) == (pool.vip, pool.port);
@@ -230,6 +204,55 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
         sender.set_keys(keys);
     }
     Ok(pools)
+}
+
+/// Puts back in `new` what only a restart changes, as `running` has it, with a warning: the
+/// running configuration then says what is in effect, and the next reload warns again.
+/// Refuses pools too short-lived for the `[sync]` that stays on, which the file, without
+/// the section, was not checked against.
+fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
+    let (next, now) = (&mut new.agent, &running.agent);
+    macro_rules! keep {
+        ($key:ident) => {
+            if next.$key != now.$key {
+                warn!(
+                    "agent.{} changes only when the agent restarts",
+                    stringify!($key)
+                );
+                next.$key = now.$key.clone();
+            }
+        };
+    }
+    keep!(flow_table_entries);
+    keep!(control_socket);
+    keep!(metrics_listen);
+    keep!(pin_dir);
+    match (&mut new.sync, &running.sync) {
+        (Some(next), Some(now)) => {
+            if !next.same_peering(now) {
+                warn!("sync.listen and sync.peers change only when the agent restarts");
+                next.listen = now.listen;
+                next.peers = now.peers.clone();
+            }
+        }
+        (next, now) => {
+            if *next != *now {
+                warn!("[sync] starts or stops only when the agent restarts");
+                next.clone_from(now);
+            }
+        }
+    }
+    if new.sync.is_some() {
+        let min = MIN_SYNC_IDLE_TIMEOUT_S;
+        if let Some(p) = new.pool.iter().find(|p| p.idle_timeout_s < min) {
+            bail!(
+                "pool {}: idle_timeout_s must be at least {min} s while [sync] runs (it stops \
+                 only when the agent restarts)",
+                p.name
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Scrapes every server concurrently, once per interval, and hands the results over. The
@@ -432,5 +455,68 @@ async fn answer(stream: UnixStream, ctl: Shared) {
     if let Ok(mut text) = serde_json::to_string(&response) {
         text.push('\n');
         write.write_all(text.as_bytes()).await.ok();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(agent: &str, sync: bool, idle_timeout_s: u32) -> Config {
+        let sync = if sync {
+            "[sync]\nlisten = \"10.0.0.1:7471\"\npeers = [\"10.0.0.2:7471\"]\n\
+             key_file = \"/etc/balancer/sync.key\"\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            "[agent]\ninterfaces = [\"eth0\"]\n{agent}\n{sync}[[pool]]\nname = \"p\"\n\
+             vip = \"192.0.2.60\"\nport = 8000\nidle_timeout_s = {idle_timeout_s}\n\
+             [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n"
+        );
+        Config::parse(Path::new("t.toml"), &text).unwrap()
+    }
+
+    /// What a reload cannot change stays as it runs, so the next reload warns again and the
+    /// running configuration is what is in effect.
+    #[test]
+    fn restart_only_keys_stay_as_they_run() {
+        let running = config(
+            "flow_table_entries = 100000\npin_dir = \"/sys/fs/bpf/a\"",
+            true,
+            600,
+        );
+        let mut new = config(
+            "flow_table_entries = 200000\npin_dir = \"/sys/fs/bpf/b\"\n\
+             control_socket = \"/run/other.sock\"\nmetrics_listen = \"127.0.0.1:9477\"\n\
+             scrape_interval_ms = 500",
+            false,
+            600,
+        );
+        keep_restart_only(&mut new, &running).unwrap();
+        assert_eq!(new.agent.flow_table_entries, 100000);
+        assert_eq!(new.agent.pin_dir, running.agent.pin_dir);
+        assert_eq!(new.agent.control_socket, running.agent.control_socket);
+        assert_eq!(new.agent.metrics_listen, None);
+        assert_eq!(new.sync, running.sync, "[sync] stops only at a restart");
+        // What a reload does change, changes.
+        assert_eq!(new.agent.scrape_interval_ms, 500);
+        // Sharing starts only at a restart too.
+        let mut new = config("", true, 600);
+        keep_restart_only(&mut new, &config("", false, 600)).unwrap();
+        assert_eq!(new.sync, None);
+    }
+
+    /// A file without `[sync]` may have idle timeouts too short for the sharing that stays on.
+    #[test]
+    fn short_idle_timeouts_refused_while_sharing_runs() {
+        let running = config("", true, 600);
+        let e = keep_restart_only(&mut config("", false, 5), &running).unwrap_err();
+        assert!(
+            e.to_string().contains("at least 10 s while [sync] runs"),
+            "{e}"
+        );
+        keep_restart_only(&mut config("", false, 10), &running).unwrap();
+        keep_restart_only(&mut config("", false, 5), &config("", false, 600)).unwrap();
     }
 }
