@@ -22,10 +22,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use balancer_common::{
-    bucket_slot, hint::HintRange, sync_epoch, Backend, BackendLoad, BackendStats, Bucket,
-    BucketStats, Counter, FlowEntry, FlowKey, NextHop, Replies, ReplyKey, VipInfo, VipKey,
-    ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, LOAD_F_HELD, MAGLEV_SIZE,
-    MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
+    bucket_slot, hint::HintRange, sync_epoch, Allowance, Backend, BackendLoad, BackendStats,
+    Bucket, BucketStats, Counter, FlowEntry, FlowKey, Limit, NextHop, Replies, ReplyKey, VipInfo,
+    VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, LOAD_F_HELD,
+    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -107,6 +107,22 @@ fn write_table(slots: &mut [u64], ids: &[u32]) {
         if *slot != u64::from(*id) {
             *slot = u64::from(*id);
         }
+    }
+}
+
+/// Every CPU's allowance under every `Limit` (see [`Dataplane::allowances`]).
+pub struct Allowances(PerCpuArray<MapData, Allowance>);
+
+impl Allowances {
+    /// Gives every CPU its whole allowance again, as after a quiet second.
+    pub fn refill(&mut self) -> Result<()> {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+        for limit in 0..Limit::COUNT {
+            // Zero is full: the credit earned since time 0 is capped at a burst.
+            let full = PerCpuValues::try_from(vec![Allowance::default(); cpus])?;
+            self.0.set(limit, full, 0)?;
+        }
+        Ok(())
     }
 }
 
@@ -633,6 +649,18 @@ impl Dataplane {
             flows_closed: sum.flows_closed + elsewhere,
             ..sum
         })
+    }
+
+    /// A handle of its own on the program's allowances (`ALLOWANCES`), independent of this
+    /// one: for benchmarks that time an allowed path (a shared flow's report) at rates far
+    /// past the allowance, refilling it between packets.
+    pub fn allowances(&self) -> Result<Allowances> {
+        let id = match self.ebpf.map("ALLOWANCES") {
+            Some(Map::PerCpuArray(data)) => data.info()?.id(),
+            _ => bail!("the program has no per-CPU array ALLOWANCES"),
+        };
+        let data = MapData::from_id(id).context("opening ALLOWANCES")?;
+        Ok(Allowances(PerCpuArray::try_from(Map::PerCpuArray(data))?))
     }
 
     /// The flow table itself, for tools that inspect it and for benchmarks that fill it.

@@ -233,8 +233,9 @@ pub struct FlowEntry {
     /// same tuple starts a new flow. Written as a whole byte so concurrent writers of
     /// `acked` cannot clobber it.
     pub closed: u8,
-    /// Set once the client sent more than a SYN: until then nothing reached the backend's
-    /// application and the flow may safely be steered again.
+    /// Set once the client acknowledged (its first packet after the SYN with ACK set): the
+    /// flow is then reported to other gateways and kept alive there (`[sync]`); until then
+    /// nothing but a SYN reached the backend.
     pub acked: u8,
     pub backend_id: u32,
     pub idle_timeout_s: u32,
@@ -288,8 +289,9 @@ pub struct NextHop {
     pub dmac: [u8; 6],
     pub smac: [u8; 6],
     /// The egress MTU the FIB reported (or, from a kernel that reports none, the IP length
-    /// it checked): a longer packet is looked up again, so that one past the MTU goes to the
-    /// stack, which answers "too big".
+    /// it checked): a longer packet is looked up again, so that one past the MTU is answered
+    /// "too big" (by the program where it may not be fragmented, see `icmp.rs`; else by the
+    /// stack it passes to).
     pub mtu: u16,
     pub _pad: u16,
 }
@@ -319,21 +321,23 @@ pub enum Limit {
     /// would go to whatever source the packet names; a sender doing path MTU discovery needs
     /// one per connection.
     TooBigAnswers,
-    /// Reports of flows placed without their SYN (guesses, `FLOW_EVENT_ALIVE`) to the other
-    /// gateways: forged mid-stream packets would otherwise fill `FLOW_EVENTS` and crowd out
-    /// the reports of real connections. Few real flows are guessed (a peer's flows are
-    /// shared when they open), and a peer guesses the same server when its table agrees.
-    GuessReports,
+    /// Reports of new flows to the other gateways: opens (`FLOW_EVENT_OPEN`, at the first
+    /// acknowledgment after a SYN) and flows placed without their SYN (guesses,
+    /// `FLOW_EVENT_ALIVE`). Forged packets, two per open or one per guess, would otherwise
+    /// fill `FLOW_EVENTS` and the peers' flow tables and crowd out the reports of real
+    /// connections. A flow past the allowance is reported at its next packet a second or
+    /// more later, with the keepalives, which a forged one never has.
+    NewFlowReports,
 }
 
 impl Limit {
-    pub const COUNT: u32 = Limit::GuessReports as u32 + 1;
+    pub const COUNT: u32 = Limit::NewFlowReports as u32 + 1;
 
     /// (per second, burst).
     pub const fn rate(self) -> (u64, u64) {
         match self {
             Limit::TooBigAnswers => (1000, 50),
-            Limit::GuessReports => (1000, 1000),
+            Limit::NewFlowReports => (1000, 1000),
         }
     }
 }
@@ -531,8 +535,11 @@ pub enum Counter {
     /// (`Limit::TooBigAnswers`).
     DropTooBigLimited,
     /// A flow placed without its SYN that was not reported to the other gateways: this CPU
-    /// had used its allowance of such reports (`Limit::GuessReports`).
+    /// had used its allowance of new flows' reports (`Limit::NewFlowReports`).
     SyncGuessLimited,
+    /// A flow's open (its first acknowledgment after the SYN) that was not reported to the
+    /// other gateways at once, for the same reason.
+    SyncOpenLimited,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -541,7 +548,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::SyncGuessLimited as u32 + 1;
+    pub const COUNT: u32 = Counter::SyncOpenLimited as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -586,6 +593,7 @@ impl Counter {
         Counter::DropTooBigAnswer,
         Counter::DropTooBigLimited,
         Counter::SyncGuessLimited,
+        Counter::SyncOpenLimited,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -633,6 +641,7 @@ impl Counter {
             Counter::DropTooBigAnswer => "drop_too_big_answer",
             Counter::DropTooBigLimited => "drop_too_big_limited",
             Counter::SyncGuessLimited => "sync_guess_limited",
+            Counter::SyncOpenLimited => "sync_open_limited",
         }
     }
 }
@@ -653,6 +662,7 @@ mod pod {
     unsafe impl aya::Pod for super::BackendLoad {}
     unsafe impl aya::Pod for super::BucketStats {}
     unsafe impl aya::Pod for super::FlowEvent {}
+    unsafe impl aya::Pod for super::Allowance {}
 }
 
 #[cfg(test)]
@@ -664,7 +674,7 @@ mod tests {
     fn allowances_are_token_buckets() {
         const MS: u64 = 1_000_000;
         let now = 3_600_000 * MS;
-        for limit in [Limit::TooBigAnswers, Limit::GuessReports] {
+        for limit in [Limit::TooBigAnswers, Limit::NewFlowReports] {
             let (per_s, burst) = limit.rate();
             let cost = 1000 * MS / per_s;
             let mut a = Allowance::default();

@@ -169,14 +169,17 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
                 entry.last_seen_ns = now;
                 sync::keepalive(&pkt.key, entry, now);
             }
-            if entry.acked == 0 && !syn {
+            if entry.acked == 0 && !syn && pkt.tcp_flags & TCP_ACK != 0 {
                 entry.acked = 1;
-                // Shared once the handshake goes on: a flood of spoofed SYNs stays here.
-                if entry.synced != 0
-                    && entry.closed == 0
-                    && sync::report(&pkt.key, entry, FLOW_EVENT_OPEN, now)
-                {
-                    entry.synced = sync_epoch(now);
+                // Shared once the handshake goes on: a flood of spoofed SYNs stays here, and
+                // one of forged SYN and ACK pairs is bounded by the allowance.
+                if entry.synced != 0 && entry.closed == 0 {
+                    if !allowed(Limit::NewFlowReports, now) {
+                        count(Counter::SyncOpenLimited);
+                        entry.synced = sync::overdue(now, entry.idle_timeout_s);
+                    } else if sync::report(&pkt.key, entry, FLOW_EVENT_OPEN, now) {
+                        entry.synced = sync_epoch(now);
+                    }
                 }
             }
             note_fin(pkt, &pkt.key, entry, now);
@@ -356,7 +359,7 @@ fn new_flow(
         nat_addr: backend.addr,
         nat_port: backend.port,
         closed: 0,
-        acked: u8::from(!syn),
+        acked: u8::from(!syn && pkt.tcp_flags & TCP_ACK != 0),
         backend_id: id,
         idle_timeout_s: vip.idle_timeout_s,
         synced: if vip.flags & VIP_F_SYNC != 0 {
@@ -396,7 +399,10 @@ fn new_flow(
         entry.close_claim = 1;
     }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
+        // Forwarded, but not a flow: no entry will count its close, so its open is not
+        // counted either, and its next packet is placed anew.
         count(Counter::FlowInsertFailed);
+        return Ok((id, backend.addr, backend.port, hop));
     }
     count(if syn {
         Counter::FlowNewSyn
@@ -411,7 +417,7 @@ fn new_flow(
     // allowance of such reports, it is shared at its next packet a second or more later, as
     // a keepalive is, which a forged packet never has.
     if entry.synced != 0 && !syn {
-        if allowed(Limit::GuessReports, now) {
+        if allowed(Limit::NewFlowReports, now) {
             sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
         } else {
             count(Counter::SyncGuessLimited);
@@ -533,12 +539,13 @@ fn reply(
 
 /// A FIN or RST from either end closes the flow, counted once however many arrive. A
 /// shared flow's close is reported, so that other gateways rebalance a SYN that reuses its
-/// tuple (at worst twice, by FINs that meet at once: the report is idempotent).
+/// tuple (at worst twice, by FINs that meet at once: the report is idempotent); not one
+/// never acknowledged, which they were never told of.
 #[inline(always)]
 fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry, now: u64) {
     if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
         entry.closed = 1;
-        if entry.synced != 0 {
+        if entry.synced != 0 && entry.acked != 0 {
             sync::report(key, entry, FLOW_EVENT_CLOSE, now);
         }
         if room::claim(&mut entry.close_claim) {

@@ -1,5 +1,7 @@
-//! Every map of the program, one commented declaration each. The agent owns their contents;
-//! the program only writes the flow table and the counters.
+//! Every map of the program, one commented declaration each. The agent owns the
+//! configuration's maps; the program writes only the flow table, its caches (`HOPS`,
+//! `ALLOWANCES`), its counts (`COUNTERS`, `BACKEND_STATS`, `OPENS`, `CLOSES`,
+//! `BUCKET_STATS`) and the ring of shared flows (`FLOW_EVENTS`).
 
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,

@@ -172,7 +172,8 @@ fn parse_v6(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         ttl: head[7],
         tos: 0,
         df: true,
-        len: len as u16,
+        // A linear frame is never that long; saturated rather than wrapped all the same.
+        len: len.min(usize::from(u16::MAX)) as u16,
         vlan,
     })
 }

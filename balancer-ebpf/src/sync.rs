@@ -34,10 +34,11 @@ pub fn report(key: &FlowKey, entry: &FlowEntry, kind: u8, now: u64) -> bool {
 /// A shared flow that is still alive is reported again once a third of its idle timeout has
 /// passed since the last report that got through, so that other gateways' entries do not
 /// expire while its packets come here, even with one report lost. Called at most once a
-/// second per flow (with `last_seen_ns`).
+/// second per flow (with `last_seen_ns`). A flow whose client never acknowledged is not
+/// reported: repeated forged SYNs would otherwise buy a report each.
 #[inline(always)]
 pub fn keepalive(key: &FlowKey, entry: &mut FlowEntry, now: u64) {
-    if entry.synced == 0 {
+    if entry.synced == 0 || entry.acked == 0 {
         return;
     }
     let e = sync_epoch(now);

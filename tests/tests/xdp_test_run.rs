@@ -2310,7 +2310,7 @@ fn reports(
     );
     // A flood of them (forged, most likely): reported up to each CPU's allowance; every one
     // is still placed.
-    let limit = Limit::GuessReports;
+    let limit = Limit::NewFlowReports;
     let flood = 3 * limit.rate().1;
     let limited = h.counter(Counter::SyncGuessLimited);
     let guess = |k: u64| ack.with(|f| f.sport = 20000 + k as u16);
@@ -2367,6 +2367,114 @@ fn reports(
         ensure!(
             (shared, limited) == (0, 0),
             "{fam}: without sharing, {shared} guesses reported and {limited} limited"
+        );
+    }
+    opens_bounded(h, ring, n, sharing, &syn)
+}
+
+/// Forged packets buy no reports beyond the allowance: a SYN that is never acknowledged is
+/// reported neither when it comes again nor when a RST ends it, and the opens of a flood of
+/// SYN and ACK pairs are reported up to each CPU's allowance, the rest at their next packet
+/// a second or more later.
+fn opens_bounded(
+    h: &mut Harness,
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    n: &Net,
+    sharing: bool,
+    syn: &Frame,
+) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let g0 = h.g0;
+    let run = |h: &mut Harness, f: &Frame| -> Result<()> {
+        let (v, _) = h.run(g0, &f.bytes())?;
+        ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
+        Ok(())
+    };
+    let age = |h: &mut Harness, sport: u16, epochs: u32| -> Result<()> {
+        let key = flow_key(n, n.vip, sport);
+        let mut e = h.dp.flow_table().get(&key, 0)?;
+        if e.synced != 0 {
+            e.synced = e.synced.wrapping_sub(epochs);
+        }
+        e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
+        h.dp.flow_table().insert(key, e, 0)?;
+        Ok(())
+    };
+    let unacked = syn.with(|f| f.sport = 40304);
+    run(h, &unacked)?;
+    age(h, 40304, 186)?;
+    run(h, &unacked)?;
+    // A bare RST, without ACK: no acknowledgment either.
+    run(h, &unacked.with(|f| f.flags = "R"))?;
+    let events = reported(ring);
+    ensure!(
+        events.is_empty(),
+        "{fam}: a flow never acknowledged reported {events:?}"
+    );
+
+    let limit = Limit::NewFlowReports;
+    let flood = 3 * limit.rate().1;
+    let limited = h.counter(Counter::SyncOpenLimited);
+    let port = |k: u64| 24000 + k as u16;
+    let pair = |k: u64| {
+        (
+            syn.with(|f| f.sport = port(k)),
+            syn.with(|f| {
+                f.sport = port(k);
+                f.flags = "A";
+            }),
+        )
+    };
+    let started = on_this_cpu(|| {
+        for k in 0..flood {
+            run(h, &pair(k).0)?;
+        }
+        let started = refilled(limit);
+        for k in 0..flood {
+            run(h, &pair(k).1)?;
+        }
+        Ok(started)
+    })?;
+    let events = reported(ring);
+    ensure!(
+        events.iter().all(|e| e.kind == Kind::Open),
+        "{fam}: a flood of opens reported {events:?}"
+    );
+    let ports: std::collections::HashSet<u16> = events.iter().map(|e| e.client.port()).collect();
+    let (shared, limited) = (
+        events.len() as u64,
+        h.counter(Counter::SyncOpenLimited) - limited,
+    );
+    if !sharing {
+        ensure!(
+            (shared, limited) == (0, 0),
+            "{fam}: without sharing, {shared} opens reported and {limited} limited"
+        );
+        return Ok(());
+    }
+    ensure!(
+        shared + limited == flood,
+        "{fam}: {shared} opens reported and {limited} not, of {flood}"
+    );
+    within_allowance(limit, flood, shared, started)
+        .with_context(|| format!("{fam}: opens reported"))?;
+    let last_limited = (0..flood)
+        .rev()
+        .find(|&k| !ports.contains(&port(k)))
+        .context("no open was past the allowance")?;
+    for (k, now_shared) in [(0, false), (last_limited, true)] {
+        age(h, port(k), 0)?;
+        run(h, &pair(k).1)?;
+        let got = reported(ring);
+        let want = if now_shared {
+            vec![Kind::Alive]
+        } else {
+            vec![]
+        };
+        ensure!(
+            got.iter().map(|e| e.kind).collect::<Vec<_>>() == want
+                && got.iter().all(|e| e.client.port() == port(k)),
+            "{fam}: open {k} of {flood} at its next packet: {got:?}"
         );
     }
     Ok(())
