@@ -277,11 +277,12 @@ fn header(
          latency phase no CPU's softirq ran out of budget (`time_squeeze` in \
          `/proc/net/softnet_stat` unchanged), nothing was dropped and ksoftirqd ran for 1 or \
          2 ticks, so the tail is not softirq work deferred to a thread. Stopping the agent \
-         during the measurement did not change it either. The p50 is steady, within a few \
-         percent of nftables (0.372 against 0.364 ms at 03:47, ahead at 00:39).\n\
+         during the measurement did not change it either. At 06:05 ours (2.66 ms) was ahead \
+         of nftables (2.85) and behind HAProxy (2.46). The p50 is steady, within a few percent \
+         of nftables (0.372 against 0.364 ms at 03:47, ahead at 00:39 and at 06:05).\n\
          - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
-         the last four runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
-         11% at 00:39 on 2026-12-02, by 24% at 03:47), \
+         the last five runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
+         11% at 00:39 on 2026-12-02, by 24% at 03:47, by 14% at 06:05), \
          where ours had led it by 5% on 2026-11-30 (per-round table in section 2). GRO is off on these \
          veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
          program does, and HAProxy relays between two TCP connections; the client's and the \
