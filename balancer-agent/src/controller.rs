@@ -64,9 +64,7 @@ struct Server {
     scrape_error: Option<String>,
     health: String,
     model: Option<String>,
-    /// The most requests it was seen running since it last came UP: its slots, when the pool
-    /// does not say. Learned again after a failure, since a server that comes back may have
-    /// been redeployed with fewer.
+    /// The most requests it was seen running: its slots, when the pool does not say.
     max_running: f64,
     /// A server that was saturated takes no hinted connection until then, so that a bucket
     /// does not flap between its home and an alternate at the threshold.
@@ -729,7 +727,6 @@ impl Controller {
                 }
                 Some(Transition::CameUp) => {
                     transitions = true;
-                    s.max_running = s.reading.as_ref().map_or(0.0, |r| r.running);
                     info!(pool = %key.0, server = %key.1, "UP after {rise} good checks");
                 }
                 None => {}

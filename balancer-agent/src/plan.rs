@@ -510,22 +510,21 @@ mod tests {
         assert!(!vip.alternates.contains(&0));
     }
 
+    /// Plans 10.4.0.11 and 10.4.0.12, then `next`, which has no 10.4.0.12: the id it had,
+    /// retired, and the second plan.
+    fn retire_12(ids: &mut Ids, now: Instant, next: &Config) -> (u32, Plan) {
+        let two = config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]);
+        let gone = id_of(&ids.plan(&two, &Weights::new(), now).unwrap(), 12);
+        let b = ids.plan(next, &Weights::new(), now).unwrap();
+        assert_eq!(b.retired, vec![gone]);
+        (gone, b)
+    }
+
     #[test]
     fn removed_servers_are_retired_and_their_ids_quarantined() {
         let mut ids = Ids::default();
         let now = Instant::now();
-        let a = ids
-            .plan(
-                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
-                &Weights::new(),
-                now,
-            )
-            .unwrap();
-        let gone = id_of(&a, 12);
-        let b = ids
-            .plan(&config(&[("10.4.0.11", 100)]), &Weights::new(), now)
-            .unwrap();
-        assert_eq!(b.retired, vec![gone]);
+        let (gone, b) = retire_12(&mut ids, now, &config(&[("10.4.0.11", 100)]));
         assert!(!b.vips[0].table.contains(&gone));
         // Coming back later gets a fresh id: flows of the old one may still be counted.
         let c = ids
@@ -727,25 +726,17 @@ mod tests {
     fn quarantine_outlasts_a_shortened_idle_timeout() {
         let mut ids = Ids::default();
         let now = Instant::now();
-        let a = ids
-            .plan(
-                &config(&[("10.4.0.11", 100), ("10.4.0.12", 100)]),
-                &Weights::new(),
-                now,
-            )
-            .unwrap();
-        let gone = id_of(&a, 12);
         let mut short = config(&[("10.4.0.11", 100)]);
         short.pool[0].idle_timeout_s = 10;
-        let b = ids.plan(&short, &Weights::new(), now).unwrap();
-        assert_eq!(b.retired, vec![gone]);
+        let (gone, b) = retire_12(&mut ids, now, &short);
         let vip = b.vips[0].key;
         for (after_s, held) in [(71, true), (659, true), (661, false)] {
             let c = ids
                 .clone()
                 .plan(&short, &Weights::new(), now + Duration::from_secs(after_s))
                 .unwrap();
-            assert_eq!(c.released.is_empty(), held, "after {after_s} s");
+            let released = if held { vec![] } else { vec![gone] };
+            assert_eq!(c.released, released, "after {after_s} s");
             assert_eq!(reply_vips(&c, 12) == vec![vip], held, "after {after_s} s");
         }
     }
