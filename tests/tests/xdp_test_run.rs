@@ -2281,15 +2281,13 @@ fn reports(
     ensure!(reported(ring).is_empty(), "{fam}: reported again at once");
     // A keepalive every third of the idle timeout (600 s: 186 epochs of 2^30 ns), checked
     // when the entry's time is refreshed (a packet a second after the last).
-    let key = flow_key(n, n.vip, 40300);
     for (since, expect) in [(185, vec![]), (186, vec![event(Kind::Alive, 40300)])] {
-        let mut e = h.dp.flow_table().get(&key, 0)?;
-        ensure!((e.synced != 0) == sharing, "{fam}: synced {}", e.synced);
-        if sharing {
-            e.synced = epoch().wrapping_sub(since);
-        }
-        e.last_seen_ns -= 2_000_000_000;
-        h.dp.flow_table().insert(key, e, 0)?;
+        let synced = aged(h, n, 40300, |e| {
+            if e.synced != 0 {
+                e.synced = epoch().wrapping_sub(since);
+            }
+        })?;
+        ensure!((synced != 0) == sharing, "{fam}: synced {synced}");
         run(h, g1, &reply)?;
         ensure!(
             reported(ring) == want(expect),
@@ -2310,65 +2308,15 @@ fn reports(
     );
     // A flood of them (forged, most likely): reported up to each CPU's allowance; every one
     // is still placed.
-    let limit = Limit::NewFlowReports;
-    let flood = 3 * limit.rate().1;
-    let limited = h.counter(Counter::SyncGuessLimited);
-    let guess = |k: u64| ack.with(|f| f.sport = 20000 + k as u16);
-    let started = on_this_cpu(|| {
-        let started = refilled(limit);
-        for k in 0..flood {
-            run(h, g0, &guess(k))?;
-        }
-        Ok(started)
+    let guesses = Flood {
+        whats: "guesses",
+        kind: Kind::Alive,
+        counter: Counter::SyncGuessLimited,
+        port: |k| 20000 + k as u16,
+    };
+    guesses.check(h, ring, n, sharing, |h, k| {
+        run(h, g0, &ack.with(|f| f.sport = guesses.port(k)))
     })?;
-    let events = reported(ring);
-    ensure!(
-        events.iter().all(|e| e.kind == Kind::Alive),
-        "{fam}: a flood of guesses reported {events:?}"
-    );
-    let ports: std::collections::HashSet<u16> = events.iter().map(|e| e.client.port()).collect();
-    let (shared, limited) = (
-        events.len() as u64,
-        h.counter(Counter::SyncGuessLimited) - limited,
-    );
-    if sharing {
-        ensure!(
-            shared + limited == flood,
-            "{fam}: {shared} guesses reported and {limited} not, of {flood}"
-        );
-        within_allowance(limit, flood, shared, started)
-            .with_context(|| format!("{fam}: guesses reported"))?;
-        // At its next packet a second or more later, a guess past the allowance is shared
-        // (one that was shared is not shared again). Which were past it depends on when the
-        // coarse clock ticked during the flood: the ring says.
-        let port = |k: u64| 20000 + k as u16;
-        let last_limited = (0..flood)
-            .rev()
-            .find(|&k| !ports.contains(&port(k)))
-            .context("no guess was past the allowance")?;
-        for (k, now_shared) in [(0, false), (last_limited, true)] {
-            let port = port(k);
-            let key = flow_key(n, n.vip, port);
-            let mut e = h.dp.flow_table().get(&key, 0)?;
-            e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
-            h.dp.flow_table().insert(key, e, 0)?;
-            run(h, g0, &guess(k))?;
-            let expect = if now_shared {
-                vec![event(Kind::Alive, port)]
-            } else {
-                vec![]
-            };
-            ensure!(
-                reported(ring) == expect,
-                "{fam}: guess {k} of {flood} at its next packet"
-            );
-        }
-    } else {
-        ensure!(
-            (shared, limited) == (0, 0),
-            "{fam}: without sharing, {shared} guesses reported and {limited} limited"
-        );
-    }
     opens_bounded(h, ring, n, sharing, &syn)
 }
 
@@ -2390,19 +2338,14 @@ fn opens_bounded(
         ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
         Ok(())
     };
-    let age = |h: &mut Harness, sport: u16, epochs: u32| -> Result<()> {
-        let key = flow_key(n, n.vip, sport);
-        let mut e = h.dp.flow_table().get(&key, 0)?;
-        if e.synced != 0 {
-            e.synced = e.synced.wrapping_sub(epochs);
-        }
-        e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
-        h.dp.flow_table().insert(key, e, 0)?;
-        Ok(())
-    };
     let unacked = syn.with(|f| f.sport = 40304);
     run(h, &unacked)?;
-    age(h, 40304, 186)?;
+    // Its keepalive due, if it were one.
+    aged(h, n, 40304, |e| {
+        if e.synced != 0 {
+            e.synced = e.synced.wrapping_sub(186);
+        }
+    })?;
     run(h, &unacked)?;
     // A bare RST, without ACK: no acknowledgment either.
     run(h, &unacked.with(|f| f.flags = "R"))?;
@@ -2412,72 +2355,127 @@ fn opens_bounded(
         "{fam}: a flow never acknowledged reported {events:?}"
     );
 
-    let limit = Limit::NewFlowReports;
-    let flood = 3 * limit.rate().1;
-    let limited = h.counter(Counter::SyncOpenLimited);
-    let port = |k: u64| 24000 + k as u16;
-    let pair = |k: u64| {
-        (
-            syn.with(|f| f.sport = port(k)),
-            syn.with(|f| {
-                f.sport = port(k);
-                f.flags = "A";
-            }),
-        )
+    let opens = Flood {
+        whats: "opens",
+        kind: Kind::Open,
+        counter: Counter::SyncOpenLimited,
+        port: |k| 24000 + k as u16,
     };
-    let started = on_this_cpu(|| {
-        for k in 0..flood {
-            run(h, &pair(k).0)?;
-        }
-        let started = refilled(limit);
-        for k in 0..flood {
-            run(h, &pair(k).1)?;
-        }
-        Ok(started)
-    })?;
-    let events = reported(ring);
-    ensure!(
-        events.iter().all(|e| e.kind == Kind::Open),
-        "{fam}: a flood of opens reported {events:?}"
-    );
-    let ports: std::collections::HashSet<u16> = events.iter().map(|e| e.client.port()).collect();
-    let (shared, limited) = (
-        events.len() as u64,
-        h.counter(Counter::SyncOpenLimited) - limited,
-    );
-    if !sharing {
-        ensure!(
-            (shared, limited) == (0, 0),
-            "{fam}: without sharing, {shared} opens reported and {limited} limited"
-        );
-        return Ok(());
+    let flow = |k: u64| syn.with(|f| f.sport = opens.port(k));
+    for k in 0..opens.size() {
+        run(h, &flow(k))?;
     }
-    ensure!(
-        shared + limited == flood,
-        "{fam}: {shared} opens reported and {limited} not, of {flood}"
-    );
-    within_allowance(limit, flood, shared, started)
-        .with_context(|| format!("{fam}: opens reported"))?;
-    let last_limited = (0..flood)
-        .rev()
-        .find(|&k| !ports.contains(&port(k)))
-        .context("no open was past the allowance")?;
-    for (k, now_shared) in [(0, false), (last_limited, true)] {
-        age(h, port(k), 0)?;
-        run(h, &pair(k).1)?;
-        let got = reported(ring);
-        let want = if now_shared {
-            vec![Kind::Alive]
-        } else {
-            vec![]
-        };
-        ensure!(
-            got.iter().map(|e| e.kind).collect::<Vec<_>>() == want
-                && got.iter().all(|e| e.client.port() == port(k)),
-            "{fam}: open {k} of {flood} at its next packet: {got:?}"
-        );
+    opens.check(h, ring, n, sharing, |h, k| {
+        run(h, &flow(k).with(|f| f.flags = "A"))
+    })
+}
+
+/// Makes flow `sport` (client to `n.vip`) look two seconds older, so that its next packet
+/// refreshes its time and checks its keepalive, after `f` changed what else it needs; its
+/// `synced` as written.
+fn aged(
+    h: &mut Harness,
+    n: &Net,
+    sport: u16,
+    f: impl FnOnce(&mut balancer_common::FlowEntry),
+) -> Result<u32> {
+    let key = flow_key(n, n.vip, sport);
+    let mut e = h.dp.flow_table().get(&key, 0)?;
+    f(&mut e);
+    e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
+    h.dp.flow_table().insert(key, e, 0)?;
+    Ok(e.synced)
+}
+
+/// A flood of new flows (`whats`) from ports `port(0..size())` to `n.vip`, sent on one CPU,
+/// of which those past its allowance of new-flow reports are counted in `counter`.
+struct Flood {
+    whats: &'static str,
+    kind: Kind,
+    counter: Counter,
+    port: fn(u64) -> u16,
+}
+
+impl Flood {
+    fn size(&self) -> u64 {
+        3 * Limit::NewFlowReports.rate().1
     }
-    Ok(())
+
+    fn port(&self, k: u64) -> u16 {
+        (self.port)(k)
+    }
+
+    /// Sends the flood (`send(h, k)` sends flow `k`'s packet) from a full allowance, then
+    /// checks what the ring says of it: with sharing, each flow reported as `kind` or counted
+    /// past the allowance, those reported within it; then, at its next packet a second or
+    /// more later, the last flow past the allowance is reported and the first, reported
+    /// already, is not (which were past it depends on when the coarse clock ticked during
+    /// the flood: the ring says). Without sharing, neither reported nor counted.
+    fn check(
+        &self,
+        h: &mut Harness,
+        ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+        n: &Net,
+        sharing: bool,
+        send: impl Fn(&mut Harness, u64) -> Result<()>,
+    ) -> Result<()> {
+        let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+        let limit = Limit::NewFlowReports;
+        let (whats, flood) = (self.whats, self.size());
+        let before = h.counter(self.counter);
+        let started = on_this_cpu(|| {
+            let started = refilled(limit);
+            for k in 0..flood {
+                send(h, k)?;
+            }
+            Ok(started)
+        })?;
+        let events = reported(ring);
+        ensure!(
+            events.iter().all(|e| e.kind == self.kind),
+            "{fam}: a flood of {whats} reported {events:?}"
+        );
+        let ports: std::collections::HashSet<u16> =
+            events.iter().map(|e| e.client.port()).collect();
+        let (shared, limited) = (events.len() as u64, h.counter(self.counter) - before);
+        if !sharing {
+            ensure!(
+                (shared, limited) == (0, 0),
+                "{fam}: without sharing, {shared} {whats} reported and {limited} limited"
+            );
+            return Ok(());
+        }
+        ensure!(
+            shared + limited == flood,
+            "{fam}: {shared} {whats} reported and {limited} not, of {flood}"
+        );
+        within_allowance(limit, flood, shared, started)
+            .with_context(|| format!("{fam}: {whats} reported"))?;
+        let last_limited = (0..flood)
+            .rev()
+            .find(|&k| !ports.contains(&self.port(k)))
+            .with_context(|| format!("{fam}: none of the {whats} was past the allowance"))?;
+        for (k, now_shared) in [(0, false), (last_limited, true)] {
+            aged(h, n, self.port(k), |_| {})?;
+            send(h, k)?;
+            let expect = if now_shared {
+                vec![Event {
+                    kind: Kind::Alive,
+                    client: SocketAddr::new(n.client, self.port(k)),
+                    vip: SocketAddr::new(n.vip, 8000),
+                    backend: SocketAddr::new(n.backend, 8000),
+                }]
+            } else {
+                vec![]
+            };
+            let got = reported(ring);
+            ensure!(
+                got == expect,
+                "{fam}: {whats}: flow {k} of {flood} at its next packet: {got:?}"
+            );
+        }
+        Ok(())
+    }
 }
 
 /// A flow of another gateway on the multi-backend VIP, on a server this gateway's Maglev
