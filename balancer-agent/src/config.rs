@@ -93,6 +93,10 @@ pub struct Agent {
     pub health_interval_ms: u64,
     #[serde(default = "default_health_timeout_ms")]
     pub health_timeout_ms: u64,
+    /// A server with a queue whose progress counter (see `dialect`) has not moved for this
+    /// long is hung, not busy: its checks that time out count as failed again.
+    #[serde(default = "default_hung_after_ms")]
+    pub hung_after_ms: u64,
     /// Consecutive failed checks that take a server DOWN.
     #[serde(default = "default_fall")]
     pub fall: u32,
@@ -243,6 +247,9 @@ fn default_health_interval_ms() -> u64 {
 }
 fn default_health_timeout_ms() -> u64 {
     2000
+}
+fn default_hung_after_ms() -> u64 {
+    30_000
 }
 fn default_fall() -> u32 {
     3
@@ -444,7 +451,7 @@ impl Config {
                 format!("{} is outside 1024..=67108864", a.flow_table_entries),
             ));
         }
-        let ranges: [(&str, u64, u64, u64); 5] = [
+        let ranges: [(&str, u64, u64, u64); 6] = [
             (
                 "agent.scrape_interval_ms",
                 a.scrape_interval_ms,
@@ -464,6 +471,7 @@ impl Config {
                 600_000,
             ),
             ("agent.health_timeout_ms", a.health_timeout_ms, 10, 60_000),
+            ("agent.hung_after_ms", a.hung_after_ms, 1000, 3_600_000),
             ("agent.fall", u64::from(a.fall), 1, 100),
         ];
         for (key, v, lo, hi) in ranges {
@@ -649,6 +657,7 @@ metrics_port = 8001
         assert_eq!(c.agent.scrape_interval_ms, 2000);
         assert_eq!(c.agent.scrape_timeout_ms(), 1000);
         assert_eq!((c.agent.fall, c.agent.rise), (3, 2));
+        assert_eq!(c.agent.hung_after_ms, 30_000);
         assert_eq!(c.pool[0].spill_ttft_ms, 500);
         assert_eq!(c.pool[0].dialect, None);
         let fast = GOOD.replace("[agent]", "[agent]\nscrape_interval_ms = 100");
@@ -665,6 +674,11 @@ metrics_port = 8001
                 "agent.scrape_timeout_ms",
             ),
             ("[agent]", "[agent]\nfall = 0", "agent.fall"),
+            (
+                "[agent]",
+                "[agent]\nhung_after_ms = 999",
+                "agent.hung_after_ms",
+            ),
             ("[agent]", "[agent]\nrise = \"2\"", "rise"),
             (
                 "port = 8000\n\n[[pool.server]]",

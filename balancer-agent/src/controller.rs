@@ -66,6 +66,8 @@ struct Server {
     model: Option<String>,
     /// The most requests it was seen running: its slots, when the pool does not say.
     max_running: f64,
+    /// Its dialect's progress counter, and when it last moved.
+    progress: Option<Progress>,
     /// A server that was saturated takes no hinted connection until then, so that a bucket
     /// does not flap between its home and an alternate at the threshold.
     spill_hold_until: Option<Instant>,
@@ -99,6 +101,7 @@ impl Server {
             health: "not checked yet".into(),
             model: pool.model.clone(),
             max_running: 0.0,
+            progress: None,
             spill_hold_until: None,
         }
     }
@@ -399,6 +402,7 @@ impl Controller {
                         warn!(pool = %target.key.0, server = %target.key.1, "signal left out: {why}");
                     }
                     s.max_running = s.max_running.max(reading.running);
+                    s.progress = Progress::observe(s.progress, reading.progress, target.sent_at);
                     s.reading = Some(reading);
                     s.reading_at = Some(target.sent_at);
                     s.at_scrape = target.stats;
@@ -671,6 +675,7 @@ impl Controller {
     /// Takes one round of health-check results (with the model each server was asked for).
     pub fn checked(&mut self, results: Vec<(ServerKey, Option<String>, Result<()>)>) {
         let (fall, rise) = (self.config.agent.fall, self.config.agent.rise);
+        let hung_after = Duration::from_millis(self.config.agent.hung_after_ms);
         let now = Instant::now();
         let stale_after = self.scrape_interval() * STALE_INTERVALS;
         let slots_of: HashMap<&str, Option<u32>> = self
@@ -701,9 +706,10 @@ impl Controller {
                 .then_some(s.reading.as_ref())
                 .flatten();
             let queued = fresh.is_some_and(|r| queueing(r, slots, s.max_running));
+            let hung = s.progress.and_then(|p| p.still_for(now, hung_after));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
-                Err(e) if queued && Waited::explains(e) => Outcome::Busy,
+                Err(e) if queued && hung.is_none() && Waited::explains(e) => Outcome::Busy,
                 Err(_) => Outcome::Failed,
             };
             // A model the agent found on the server itself is asked for again after a failed
@@ -712,10 +718,14 @@ impl Controller {
             if outcome == Outcome::Failed && !named.contains(key.0.as_str()) {
                 s.model = None;
             }
-            s.health = match (&result, outcome) {
-                (Ok(()), _) => "ok".into(),
-                (Err(e), Outcome::Busy) => format!("busy (queue or every slot taken): {e:#}"),
-                (Err(e), _) => format!("failed: {e:#}"),
+            s.health = match (&result, outcome, hung) {
+                (Ok(()), _, _) => "ok".into(),
+                (Err(e), Outcome::Busy, _) => format!("busy (queue or every slot taken): {e:#}"),
+                (Err(e), _, Some(still)) if queued => format!(
+                    "failed: hung (a queue, and no progress for {:.0} s): {e:#}",
+                    still.as_secs_f64()
+                ),
+                (Err(e), _, _) => format!("failed: {e:#}"),
             };
             match s.track.record(outcome, fall, rise) {
                 Some(Transition::WentDown) => {
@@ -1037,6 +1047,34 @@ impl DrainQuestion {
     }
 }
 
+/// A dialect's progress counter (`Reading::progress`) and when a scrape last saw it move.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Progress {
+    value: f64,
+    moved_at: Instant,
+}
+
+impl Progress {
+    /// `last`, after a scrape sent at `at` read `value`. Any change is a move, a counter that
+    /// went back (a restart) too; so is a first value, since nothing says how long it had
+    /// stood. A dialect without the counter, or a server not publishing it, has none.
+    fn observe(last: Option<Progress>, value: Option<f64>, at: Instant) -> Option<Progress> {
+        let value = value?;
+        Some(match last {
+            Some(p) if p.value == value => p,
+            _ => Progress {
+                value,
+                moved_at: at,
+            },
+        })
+    }
+
+    /// How long the counter has stood still at `now`, once that is longer than `hung_after`.
+    fn still_for(self, now: Instant, hung_after: Duration) -> Option<Duration> {
+        Some(now.saturating_duration_since(self.moved_at)).filter(|still| *still > hung_after)
+    }
+}
+
 /// Whether a fresh reading shows a server whose health check would wait: a queue of any
 /// length, or every slot taken (`slots` configured, else the most it was seen running). A
 /// check that then times out, or is answered 429 or 503, counts as busy, not failed. Any
@@ -1106,6 +1144,7 @@ mod tests {
             waiting,
             kv_usage: None,
             ttft: None,
+            progress: None,
             ignored: None,
         };
         assert!(queueing(&reading(3.0, 1.0), Some(8), 0.0));
@@ -1116,6 +1155,30 @@ mod tests {
         assert!(!queueing(&reading(5.0, 0.0), None, 6.0));
         // Nothing learned yet: no slot count to be full against.
         assert!(!queueing(&reading(5.0, 0.0), None, 0.0));
+    }
+
+    /// A counter that stands still for longer than `hung_after` is a hung engine; any move,
+    /// back or forth, restarts the clock, and a server without the counter is never hung.
+    #[test]
+    fn progress_standing_still_is_a_hang() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let hung_after = s(30);
+        let first = Progress::observe(None, Some(100.0), t0).unwrap();
+        assert_eq!(first.moved_at, t0, "a first value counts as a move");
+        let same = Progress::observe(Some(first), Some(100.0), t0 + s(20)).unwrap();
+        assert_eq!(same, first);
+        assert_eq!(same.still_for(t0 + s(30), hung_after), None);
+        assert_eq!(same.still_for(t0 + s(31), hung_after), Some(s(31)));
+        for moved in [101.0, 3.0] {
+            let p = Progress::observe(Some(same), Some(moved), t0 + s(40)).unwrap();
+            assert_eq!(p.still_for(t0 + s(41), hung_after), None, "{moved}");
+            assert_eq!(p.still_for(t0 + s(71), hung_after), Some(s(31)), "{moved}");
+        }
+        assert_eq!(Progress::observe(Some(same), None, t0 + s(40)), None);
+        // A clock read before the scrape's send time is no reason to panic.
+        let later = Progress::observe(None, Some(1.0), t0 + s(5)).unwrap();
+        assert_eq!(later.still_for(t0, hung_after), None);
     }
 
     /// Only a wait may be a queue: a refused connection, an HTTP error, a wrong answer or a
@@ -1167,6 +1230,7 @@ mod tests {
                     waiting: 0.0,
                     kv_usage: None,
                     ttft: None,
+                    progress: None,
                     ignored: None,
                 });
             }

@@ -24,6 +24,24 @@
 //!   iteration stats and serves this text on `/prometheus/metrics` (see [`Dialect::metrics_path`]).
 //! - Plain: `inference_requests_running`, `inference_requests_waiting`.
 //!
+//! Progress (`Reading::progress`): a counter that the engine moves at every step, so that a
+//! hung engine, whose `/metrics` still answers with the gauges of its last step, can be told
+//! from a busy one. Only counters moved per step qualify; a busy server with long streams may
+//! finish nothing for minutes, so counters moved at a request's end do not:
+//! - vLLM: `vllm:generation_tokens_total`, the tokens each step emitted (`record()` runs once
+//!   per batch of engine outputs). A step that only prefills emits nothing.
+//! - SGLang: `sglang:realtime_tokens_total` (by `mode`: decode every iteration, prefill every
+//!   batch; older builds only every `decode_log_interval` steps) and
+//!   `sglang:cuda_graph_passes_total` (one per forward batch). Its `generation_tokens_total`
+//!   moves when a request finishes. Both appear at the first batch.
+//! - TGI: `tgi_batch_inference_success` (by `method`), one per successful forward
+//!   (`backends/v3/src/backend.rs`); it appears at the first prefill.
+//! - llama.cpp: `llamacpp:n_decode_total`, one per `llama_decode()` call. (A hung llama.cpp
+//!   loop also stops answering `/metrics`, which is served by the same task queue.)
+//! - TensorRT-LLM: none. Its counters, the iteration ones included, move only when a request
+//!   finishes (`openai_server.py` drains the stats then).
+//! - Plain: none.
+//!
 //! Nothing is guessed: a missing required signal (running, waiting) is an error, a missing
 //! optional one (KV, TTFT) is `None`. A value that is not a finite non-negative number is an
 //! error in a required signal; in an optional one it leaves that signal (or that TTFT label
@@ -71,8 +89,13 @@ pub struct Reading {
     pub kv_usage: Option<f64>,
     /// Cumulative TTFT histogram totals, if the dialect has one.
     pub ttft: Option<TtftSeries>,
-    /// The first value of an optional signal (KV, TTFT) that made no sense: that signal (or
-    /// that TTFT label set) is left out, and the load the required signals give still counts.
+    /// The dialect's progress counters summed over their label sets: any change means the
+    /// engine stepped (or restarted). `None` for a dialect without one, or before its series
+    /// appear.
+    pub progress: Option<f64>,
+    /// The first value of an optional signal (KV, TTFT, progress) that made no sense: that
+    /// signal (or that TTFT label set) is left out, and the load the required signals give
+    /// still counts.
     pub ignored: Option<DialectError>,
 }
 
@@ -155,6 +178,8 @@ struct Spec {
     kv: &'static [&'static str],
     /// TTFT histogram (base name, without `_sum`/`_count`/`_bucket`).
     ttft: Option<&'static str>,
+    /// Counters moved at every engine step (see the module's notes on progress).
+    progress: &'static [&'static str],
 }
 
 const SPECS: [Spec; 6] = [
@@ -165,6 +190,7 @@ const SPECS: [Spec; 6] = [
         waiting: "vllm:num_requests_waiting",
         kv: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
         ttft: Some("vllm:time_to_first_token_seconds"),
+        progress: &["vllm:generation_tokens_total"],
     },
     Spec {
         dialect: Dialect::Sglang,
@@ -173,6 +199,10 @@ const SPECS: [Spec; 6] = [
         waiting: "sglang:num_queue_reqs",
         kv: &["sglang:token_usage"],
         ttft: Some("sglang:time_to_first_token_seconds"),
+        progress: &[
+            "sglang:realtime_tokens_total",
+            "sglang:cuda_graph_passes_total",
+        ],
     },
     Spec {
         dialect: Dialect::Tgi,
@@ -181,6 +211,7 @@ const SPECS: [Spec; 6] = [
         waiting: "tgi_queue_size",
         kv: &[],
         ttft: None,
+        progress: &["tgi_batch_inference_success"],
     },
     Spec {
         dialect: Dialect::Llamacpp,
@@ -189,6 +220,7 @@ const SPECS: [Spec; 6] = [
         waiting: "llamacpp:requests_deferred",
         kv: &[],
         ttft: None,
+        progress: &["llamacpp:n_decode_total"],
     },
     Spec {
         dialect: Dialect::Trtllm,
@@ -197,6 +229,7 @@ const SPECS: [Spec; 6] = [
         waiting: "trtllm_num_requests_waiting",
         kv: &["trtllm_kv_cache_utilization"],
         ttft: Some("trtllm_time_to_first_token_seconds"),
+        progress: &[],
     },
     // "inference_" is too generic a prefix to claim a server: only the two names count.
     Spec {
@@ -206,6 +239,7 @@ const SPECS: [Spec; 6] = [
         waiting: "inference_requests_waiting",
         kv: &[],
         ttft: None,
+        progress: &[],
     },
 ];
 
@@ -223,6 +257,7 @@ impl Spec {
         name == self.running
             || name == self.waiting
             || self.kv.contains(&name)
+            || self.progress.contains(&name)
             || self.ttft.is_some_and(|family| {
                 name.strip_prefix(family)
                     .is_some_and(|s| matches!(s, "_sum" | "_count" | "_bucket"))
@@ -793,14 +828,31 @@ fn read(spec: &Spec, samples: &Samples) -> Result<Reading, DialectError> {
     let ttft = spec
         .ttft
         .and_then(|family| ttft_series(d, family, samples, &mut ignored));
+    let progress = progress(d, spec, samples).unwrap_or_else(|e| {
+        ignored = ignored.take().or(Some(e));
+        None
+    });
     Ok(Reading {
         dialect: d,
         running,
         waiting,
         kv_usage,
         ttft,
+        progress,
         ignored,
     })
+}
+
+/// The sum of every present progress counter; `None` when none is present yet.
+fn progress(d: Dialect, spec: &Spec, samples: &Samples) -> Result<Option<f64>, DialectError> {
+    let mut total = None;
+    for &name in spec.progress {
+        let values = scalars(samples, name);
+        if !values.is_empty() {
+            total = Some(total.unwrap_or(0.0) + sum(d, name, values)?);
+        }
+    }
+    Ok(total)
 }
 
 fn kv_usage(d: Dialect, spec: &Spec, samples: &Samples) -> Result<Option<f64>, DialectError> {
@@ -1004,6 +1056,10 @@ vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 183224.0
 vllm:prompt_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 171102.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 201334.0
+vllm:generation_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 198810.0
 # HELP vllm:prompt_tokens_created Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_created gauge
 vllm:prompt_tokens_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7528427346414855e+09
@@ -1061,6 +1117,11 @@ sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.1289
 # HELP sglang:generation_tokens_total Number of generation tokens processed.
 # TYPE sglang:generation_tokens_total counter
 sglang:generation_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.557572e+06
+# HELP sglang:realtime_tokens_total Total number of tokens processed (updated on each log interval).
+# TYPE sglang:realtime_tokens_total counter
+sglang:realtime_tokens_total{mode="prefill_compute",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.1e+06
+sglang:realtime_tokens_total{mode="prefill_cache",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0e+06
+sglang:realtime_tokens_total{mode="decode",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.6e+06
 # HELP sglang:token_usage The token usage
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.28
@@ -1096,6 +1157,10 @@ tgi_request_count 412
 # HELP tgi_request_success Number of successful requests
 # TYPE tgi_request_success counter
 tgi_request_success 401
+# HELP tgi_batch_inference_success Number of successful inferences
+# TYPE tgi_batch_inference_success counter
+tgi_batch_inference_success{method="prefill"} 415
+tgi_batch_inference_success{method="decode"} 90211
 # HELP tgi_queue_size Current queue size
 # TYPE tgi_queue_size gauge
 tgi_queue_size 6
@@ -1128,6 +1193,9 @@ llamacpp:prompt_seconds_total 3.712
 # HELP llamacpp:tokens_predicted_total Number of generation tokens processed
 # TYPE llamacpp:tokens_predicted_total counter
 llamacpp:tokens_predicted_total 9102
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 13231
 # HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
 # TYPE llamacpp:prompt_tokens_seconds gauge
 llamacpp:prompt_tokens_seconds 1134.4
@@ -1206,6 +1274,7 @@ process_cpu_seconds_total 12.5
         assert_eq!(r.waiting, 2.0);
         // The fuller engine, and the new gauge rather than the deprecated one.
         assert_eq!(r.kv_usage, Some(0.8125));
+        assert_eq!(r.progress, Some(201334.0 + 198810.0));
         assert_eq!(
             r.ttft.map(|t| t.total()),
             Some(TtftTotals {
@@ -1222,6 +1291,7 @@ process_cpu_seconds_total 12.5
         assert_eq!((r.running, r.waiting), (3.0, 1.0));
         assert_eq!(r.kv_usage, Some(0.25));
         assert_eq!(r.ttft, None);
+        assert_eq!(r.progress, None);
     }
 
     #[test]
@@ -1230,6 +1300,8 @@ process_cpu_seconds_total 12.5
         assert_eq!(r.dialect, Dialect::Sglang);
         assert_eq!((r.running, r.waiting), (162.0, 2826.0));
         assert_eq!(r.kv_usage, Some(0.28));
+        // Every mode of the per-step counter; not generation_tokens_total, moved at the end.
+        assert_eq!(r.progress, Some(5.1e6 + 3.0e6 + 7.6e6));
         let t = r.ttft.unwrap().total();
         assert_eq!(t.count, 7.632e6);
         assert!((t.sum_s - 2.3518979474117756e6).abs() < 1e-6);
@@ -1246,6 +1318,7 @@ process_cpu_seconds_total 12.5
                 waiting: 6.0,
                 kv_usage: None,
                 ttft: None,
+                progress: Some(415.0 + 90211.0),
                 ignored: None
             }
         );
@@ -1262,6 +1335,7 @@ process_cpu_seconds_total 12.5
                 waiting: 3.0,
                 kv_usage: None,
                 ttft: None,
+                progress: Some(13231.0),
                 ignored: None
             }
         );
@@ -1273,6 +1347,10 @@ process_cpu_seconds_total 12.5
         assert_eq!(r.dialect, Dialect::Trtllm);
         assert_eq!((r.running, r.waiting), (12.0, 0.0));
         assert_eq!(r.kv_usage, Some(0.55));
+        assert_eq!(
+            r.progress, None,
+            "its counters move only when a request ends"
+        );
         assert_eq!(
             r.ttft.map(|t| t.total()),
             Some(TtftTotals {
@@ -1293,9 +1371,44 @@ process_cpu_seconds_total 12.5
                 waiting: 0.0,
                 kv_usage: None,
                 ttft: None,
+                progress: None,
                 ignored: None
             }
         );
+    }
+
+    #[test]
+    fn progress_before_its_series_appear_and_when_bad() {
+        // TGI and SGLang create the series at the first batch: no progress signal yet.
+        let fresh = TGI.replace(
+            "tgi_batch_inference_success{method=\"",
+            "tgi_other{method=\"",
+        );
+        assert_eq!(ok(&fresh).progress, None);
+        // One of SGLang's two counters is enough.
+        let graphs = SGLANG.replace(
+            "sglang:realtime_tokens_total{mode=\"decode\",",
+            "sglang:cuda_graph_passes_total{mode=\"decode_cuda_graph\",",
+        );
+        assert_eq!(ok(&graphs).progress, Some(5.1e6 + 3.0e6 + 7.6e6));
+        // A bad value costs the signal, not the reading.
+        for bad in ["NaN", "-1", "+Inf"] {
+            let body = LLAMACPP.replace(
+                "llamacpp:n_decode_total 13231",
+                &format!("llamacpp:n_decode_total {bad}"),
+            );
+            let r = ok(&body);
+            assert_eq!(
+                (r.running, r.waiting, r.progress),
+                (4.0, 3.0, None),
+                "{bad}"
+            );
+            assert!(
+                matches!(&r.ignored, Some(DialectError::BadValue { metric, .. }) if metric == "llamacpp:n_decode_total"),
+                "{bad}: {:?}",
+                r.ignored
+            );
+        }
     }
 
     #[test]
@@ -1693,6 +1806,7 @@ process_cpu_seconds_total 12.5
             for name in [spec.running, spec.waiting]
                 .into_iter()
                 .chain(spec.kv.iter().copied())
+                .chain(spec.progress.iter().copied())
                 .map(String::from)
                 .chain(ttft)
             {
@@ -1715,6 +1829,7 @@ process_cpu_seconds_total 12.5
         assert_eq!(
             read,
             [
+                "vllm:generation_tokens_total",
                 "vllm:gpu_cache_usage_perc",
                 "vllm:kv_cache_usage_perc",
                 "vllm:num_requests_running",

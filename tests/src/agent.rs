@@ -46,6 +46,8 @@ pub struct AgentSection {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rise: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub hung_after_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flow_table_entries: Option<u32>,
@@ -140,6 +142,7 @@ impl AgentConfig {
                 health_timeout_ms: None,
                 fall: None,
                 rise: None,
+                hung_after_ms: None,
                 metrics_listen: None,
                 flow_table_entries: None,
                 pin_dir: None,

@@ -5,7 +5,8 @@
 //! 1. a server whose queue grows gets weight 0 within one scrape interval plus 100 ms, and
 //!    at least 99% of new connections go to the others until it recovers;
 //! 2. a killed server is DOWN after `fall` checks, and no new connection reaches it;
-//! 3. a server with a long queue whose health checks time out stays UP (weight 0);
+//! 3. a server with a long queue whose health checks time out stays UP (weight 0); one whose
+//!    engine hangs with a queue goes DOWN, where its metrics have a progress counter;
 //! 4. drain under load: 40 streams on one server finish with every token, `drain --wait`
 //!    returns after the last one, and no new connection reaches the server meanwhile;
 //! 5. `show` agrees with what the simulators report, within one scrape;
@@ -52,6 +53,8 @@ const HEALTH_INTERVAL: Duration = Duration::from_millis(500);
 const HEALTH_TIMEOUT: Duration = Duration::from_millis(400);
 const FALL: u32 = 3;
 const RISE: u32 = 2;
+/// How long a queued server's progress counter may stand still before it is hung, not busy.
+const HUNG_AFTER: Duration = Duration::from_secs(2);
 /// Bound on waiting for the pool to settle after a restart, a reload or a reset.
 const SETTLE: Duration = Duration::from_secs(20);
 /// Pause between two polls of `show` or of a simulator.
@@ -67,7 +70,8 @@ fn control_loop_end_to_end() {
             queue_takes_the_weight_to_zero,
         ),
         ("2. a killed server goes DOWN", killed_server_goes_down),
-        ("3. a busy server stays UP", busy_server_stays_up),
+        ("3. a busy server stays UP", busy_servers_stay_up),
+        ("3b. a hung server goes DOWN", hung_servers_go_down),
         ("4. drain under load", drain_under_load),
         (
             "5. show agrees with the simulators",
@@ -167,6 +171,7 @@ fn base_config(topology: &Topology) -> AgentConfig {
     agent.health_timeout_ms = Some(millis(HEALTH_TIMEOUT));
     agent.fall = Some(FALL);
     agent.rise = Some(RISE);
+    agent.hung_after_ms = Some(millis(HUNG_AFTER));
     agent.metrics_listen = Some(METRICS_LISTEN);
     config
 }
@@ -649,74 +654,183 @@ fn killed_while_queueing_goes_down(bed: &mut Bed) -> Result<()> {
     Ok(())
 }
 
-/// Scenario 3. b3 is restarted with room for 2 sequences, made to hang before the first
-/// token, and given 4 streams: 2 run without a token, 2 wait, and every health check queues
-/// behind them and times out. Watched for three times `fall` x health interval, it must stay
-/// UP with weight 0 throughout, while the checks keep coming and timing out.
-fn busy_server_stays_up(bed: &mut Bed) -> Result<()> {
-    const VICTIM: usize = 2;
-    let name = backend_name(VICTIM);
-    let watch = HEALTH_INTERVAL * FALL * 3;
+/// Restarts each of `victims` with room for 2 sequences, sets `fault` on it once scraped,
+/// and gives it 4 streams of `tokens` tokens: 2 run, 2 wait. Returns the streams and when
+/// the first was opened.
+fn queue_on(
+    bed: &mut Bed,
+    victims: &[usize],
+    tokens: u32,
+    fault: Option<Value>,
+) -> Result<(Vec<Stream>, Instant)> {
+    for &i in victims {
+        bed.sims.restart(i, &small_batch_args(i, 2))?;
+    }
+    for &i in victims {
+        bed.wait_scraped(i)?;
+        // One answer first, as from any server in service: SGLang and TGI create their
+        // progress counters at the first batch.
+        let api = bed.sims.api(i);
+        let reply = bed.topology.backend(i).enter(|| {
+            client::post(
+                api,
+                "/v1/completions",
+                &json!({"prompt": "warm up", "max_tokens": 2}),
+            )
+        })?;
+        ensure!(reply.status() == 200, "{}: {}", backend_name(i), reply.body);
+    }
+    // Each fault right before the streams: a hung server without its queue is simply dead.
+    for &i in victims {
+        if let Some(fault) = &fault {
+            bed.sims.fault(i, fault)?;
+        }
+    }
+    let opened = Instant::now();
+    let mut streams = Vec::new();
+    for &i in victims {
+        streams.extend(bed.direct_streams(i, 4, tokens)?);
+    }
+    Ok((streams, opened))
+}
 
-    bed.sims.restart(VICTIM, &small_batch_args(VICTIM, 2))?;
-    bed.wait_scraped(VICTIM)?;
-    bed.sims
-        .fault(VICTIM, &json!({"kind": "hang_before_first_token"}))?;
-    let streams = bed.direct_streams(VICTIM, 4, 100)?;
-    let (shown, _) = bed.wait_show(
-        &format!("{name} saturated, with a check that timed out counted as busy"),
-        Duration::from_secs(10),
-        |pool| {
-            let row = row(pool, VICTIM)?;
-            Ok(row.weight == 0 && row.health.starts_with("busy"))
-        },
-    )?;
-    println!(
-        "{name}: {}; health: {}",
-        row(&shown, VICTIM)?.reason,
-        row(&shown, VICTIM)?.health
+/// Scenario 3. Every backend, one dialect each, is restarted with room for 2 sequences and
+/// given 4 long streams: 2 run and generate, 2 wait, and every health check queues behind
+/// them and times out. Watched for three times `fall` x health interval (longer than
+/// `hung_after`), each must stay UP throughout, every check counted busy while they keep
+/// coming and timing out: since its progress counter moves (vLLM, SGLang, llama.cpp), or
+/// since it has none (TensorRT-LLM). (With the whole pool saturated, each keeps a weight:
+/// the policy fails open, policy.md; scenario 1 shows a queue taking a weight to 0.)
+fn busy_servers_stay_up(bed: &mut Bed) -> Result<()> {
+    let victims: Vec<usize> = (0..BACKENDS).collect();
+    let watch = HEALTH_INTERVAL * FALL * 3;
+    ensure!(
+        watch > HUNG_AFTER + SCRAPE_INTERVAL,
+        "the watch must outlast hung_after"
     );
 
+    let (streams, _) = queue_on(bed, &victims, 3000, None)?;
+    let (shown, _) = bed.wait_show(
+        "every server saturated, with a check that timed out counted as busy",
+        Duration::from_secs(10),
+        |pool| {
+            victims.iter().try_fold(true, |all, &i| {
+                Ok(all && row(pool, i)?.health.starts_with("busy"))
+            })
+        },
+    )?;
+    for &i in &victims {
+        let row = row(&shown, i)?;
+        println!(
+            "{}: {}; health: {}",
+            backend_name(i),
+            row.reason,
+            row.health
+        );
+    }
+
     let mark = bed.agent.log_len();
-    let checks_before = bed.sims.state(VICTIM)?.requests_received;
+    let checks_before = victims
+        .iter()
+        .map(|&i| Ok(bed.sims.state(i)?.requests_received))
+        .collect::<Result<Vec<_>>>()?;
     let started = Instant::now();
     let mut polls = 0;
     while started.elapsed() < watch {
         let pool = bed.show()?;
-        let row = row(&pool, VICTIM)?;
-        ensure!(
-            row.state == "UP" && row.weight == 0,
-            "{name} after {:?} of timed-out checks: {row:#?}",
-            started.elapsed()
-        );
+        for &i in &victims {
+            let row = row(&pool, i)?;
+            ensure!(
+                row.state == "UP" && row.health.starts_with("busy"),
+                "{} after {:?} of timed-out checks: {row:#?}",
+                backend_name(i),
+                started.elapsed()
+            );
+        }
         polls += 1;
         sleep(Duration::from_millis(100));
     }
-    let state = bed.sims.state(VICTIM)?;
-    let checks = state.requests_received - checks_before;
     let pool = bed.show()?;
-    println!(
-        "{name} UP with weight 0 for {:.1} s ({polls} polls of show; fall {FALL} x interval \
-         {:.0} ms = {:.1} s) while {checks} health checks queued and timed out; simulator: \
-         running {}, waiting {}; health: {}",
-        secs(started.elapsed()),
-        ms(HEALTH_INTERVAL),
-        secs(HEALTH_INTERVAL * FALL),
-        state.running,
-        state.waiting,
-        row(&pool, VICTIM)?.health
-    );
-    ensure!(
-        checks > u64::from(FALL),
-        "only {checks} health checks reached {name}: too few to have taken it DOWN"
-    );
-    let victim = format!("{}:", address(VICTIM));
+    for (&i, before) in victims.iter().zip(checks_before) {
+        let state = bed.sims.state(i)?;
+        let checks = state.requests_received - before;
+        println!(
+            "{} ({}) UP and busy for {:.1} s ({polls} polls of show; fall {FALL} x \
+             interval {:.0} ms = {:.1} s, hung_after {:.1} s) while {checks} health checks \
+             queued and timed out; simulator: running {}, waiting {}; health: {}",
+            backend_name(i),
+            DIALECTS[i],
+            secs(started.elapsed()),
+            ms(HEALTH_INTERVAL),
+            secs(HEALTH_INTERVAL * FALL),
+            secs(HUNG_AFTER),
+            state.running,
+            state.waiting,
+            row(&pool, i)?.health
+        );
+        ensure!(
+            checks > u64::from(FALL),
+            "only {checks} health checks reached {}: too few to have taken it DOWN",
+            backend_name(i)
+        );
+    }
     let log = bed.log_since(mark);
-    let down = log
-        .lines()
-        .find(|line| line.contains("DOWN after") && line.contains(&victim));
-    ensure!(down.is_none(), "the agent took {name} DOWN: {down:?}");
-    bed.sims.fault(VICTIM, &json!({"kind": "none"}))?;
+    let down = log.lines().find(|line| line.contains("DOWN after"));
+    ensure!(
+        down.is_none(),
+        "the agent took a busy server DOWN: {down:?}"
+    );
+    drop(streams);
+    Ok(())
+}
+
+/// Scenario 3b. b1 (vLLM), b2 (SGLang) and b4 (llama.cpp) are restarted with room for 2
+/// sequences, made to hang before the first token (an engine that no longer steps, while
+/// its `/metrics` still answers with the same queue), and given 4 streams: 2 hold their
+/// slots without a token, 2 wait. Their progress counters stand still, so once `hung_after`
+/// has passed their timed-out checks are failures: each must be DOWN within `hung_after`, a
+/// scrape, `fall` checks and a timeout. (TensorRT-LLM publishes no such counter: a hung one
+/// stays UP with weight 0, as in scenario 3.)
+fn hung_servers_go_down(bed: &mut Bed) -> Result<()> {
+    let victims = [0, 1, 3];
+    let hang = json!({"kind": "hang_before_first_token"});
+    let (streams, hung_at) = queue_on(bed, &victims, 100, Some(hang))?;
+    let latest = HUNG_AFTER + SCRAPE_INTERVAL + HEALTH_INTERVAL * (FALL + 1) + HEALTH_TIMEOUT;
+    let outcome = bed.wait_show(
+        "every hung server DOWN",
+        latest + Duration::from_secs(2),
+        |pool| {
+            victims
+                .iter()
+                .try_fold(true, |all, &i| Ok(all && row(pool, i)?.state == "DOWN"))
+        },
+    );
+    let (shown, down_at) = outcome?;
+    let took = down_at - hung_at;
+    for &i in &victims {
+        println!(
+            "{} ({}) hung with a queue: DOWN shown after {:.0} ms (allowed {:.0} ms); \
+             health: {}",
+            backend_name(i),
+            DIALECTS[i],
+            ms(took),
+            ms(latest),
+            row(&shown, i)?.health
+        );
+        ensure!(
+            row(&shown, i)?.health.contains("hung"),
+            "{} DOWN, but not for a hang: {}",
+            backend_name(i),
+            row(&shown, i)?.health
+        );
+    }
+    ensure!(
+        took <= latest,
+        "DOWN only {took:?} after the hang, over {latest:?}"
+    );
+    for &i in &victims {
+        bed.sims.fault(i, &json!({"kind": "none"}))?;
+    }
     drop(streams);
     Ok(())
 }

@@ -405,8 +405,11 @@ fn dialect_in_show(bed: &Bed) -> Result<()> {
         }
     }
 
-    // A stream straight to b1: the agent's running follows the server's own gauge.
+    // A stream straight to b1: the agent's running follows the server's own gauge, and the
+    // counter the agent reads as progress moves while it runs, not only at its end.
     let target = 0;
+    let decodes = || llama::sample(&bed.metrics(target)?, "llamacpp:n_decode_total");
+    let decodes_before = decodes()?;
     thread::scope(|scope| -> Result<()> {
         let stream = scope.spawn(|| {
             bed.topology.backend(target).enter(|| {
@@ -414,6 +417,22 @@ fn dialect_in_show(bed: &Bed) -> Result<()> {
                 CompletionStream::open(llama::connect(api(target))?, &body)?.finish()
             })
         });
+        let deadline = Instant::now() + SETTLE;
+        let decodes_mid = loop {
+            let now = decodes()?;
+            if now > decodes_before {
+                break now;
+            }
+            ensure!(
+                !stream.is_finished(),
+                "llamacpp:n_decode_total did not move before the stream ended ({now})"
+            );
+            ensure!(
+                Instant::now() < deadline,
+                "llamacpp:n_decode_total still {now}"
+            );
+            sleep(POLL);
+        };
         let seen = bed.wait_show("b1 running 1 in show", SETTLE, |pool| {
             Ok(pool.server(Family::V4.backend(target))?.running == Some(1.0))
         });
@@ -453,6 +472,17 @@ fn dialect_in_show(bed: &Bed) -> Result<()> {
             );
         }
         ensure!(streamed.done, "the stream ended early");
+        let decodes_after = decodes()?;
+        println!(
+            "llamacpp:n_decode_total (the agent's progress signal): {decodes_before} before the \
+             stream, {decodes_mid} while it ran, {decodes_after} after"
+        );
+        // One llama_decode() per token at least: a counter moved per step.
+        ensure!(
+            decodes_after - decodes_before >= f64::from(BUSY_TOKENS),
+            "llamacpp:n_decode_total moved by {} over a stream of {BUSY_TOKENS} tokens",
+            decodes_after - decodes_before
+        );
         Ok(())
     })?;
     let idle = bed.wait_show("b1 back to running 0", SETTLE, |pool| {

@@ -332,6 +332,7 @@ fn expected(dialect: &str) -> Vec<(&'static str, Kind, &'static [&'static str])>
     const VLLM: &[&str] = &["engine", "model_name"];
     const SGLANG_SCHEDULER: &[&str] = &["engine_type", "model_name", "pp_rank", "tp_rank"];
     const SGLANG_TOKENIZER: &[&str] = &["model_name"];
+    const SGLANG_MODE: &[&str] = &["engine_type", "mode", "model_name", "pp_rank", "tp_rank"];
     const TRTLLM: &[&str] = &["engine_type", "model_name"];
     const TRTLLM_GAUGE: &[&str] = &["engine_type", "model_name", "pid"];
     const NONE: &[&str] = &[];
@@ -361,6 +362,7 @@ fn expected(dialect: &str) -> Vec<(&'static str, Kind, &'static [&'static str])>
             ("sglang:num_queue_reqs", Gauge, SGLANG_SCHEDULER),
             ("sglang:cache_hit_rate", Gauge, SGLANG_SCHEDULER),
             ("sglang:max_total_num_tokens", Gauge, SGLANG_SCHEDULER),
+            ("sglang:realtime_tokens_total", Counter, SGLANG_MODE),
             ("sglang:prompt_tokens_total", Counter, SGLANG_TOKENIZER),
             ("sglang:generation_tokens_total", Counter, SGLANG_TOKENIZER),
             ("sglang:cached_tokens_total", Counter, SGLANG_TOKENIZER),
@@ -382,6 +384,8 @@ fn expected(dialect: &str) -> Vec<(&'static str, Kind, &'static [&'static str])>
             ("tgi_batch_current_max_tokens", Gauge, NONE),
             ("tgi_request_count", Counter, NONE),
             ("tgi_request_success", Counter, NONE),
+            ("tgi_batch_inference_count", Counter, &["method"]),
+            ("tgi_batch_inference_success", Counter, &["method"]),
             ("tgi_request_duration", Histogram, NONE),
             ("tgi_request_queue_duration", Histogram, NONE),
         ],
@@ -430,12 +434,22 @@ fn expected(dialect: &str) -> Vec<(&'static str, Kind, &'static [&'static str])>
     }
 }
 
+/// The value of a family's series whose `key` label is `value`.
+fn by_label(scrape: &Scrape, name: &str, key: &str, value: &str) -> f64 {
+    one(scrape, name, |s| s.labels.get(key) == Some(value))
+}
+
 /// The one value of a family with no or fixed labels.
 fn value(scrape: &Scrape, name: &str) -> f64 {
+    one(scrape, name, |_| true)
+}
+
+fn one(scrape: &Scrape, name: &str, wanted: impl Fn(&&prometheus_parse::Sample) -> bool) -> f64 {
     let values: Vec<f64> = scrape
         .samples
         .iter()
         .filter(|s| s.metric == name)
+        .filter(wanted)
         .map(|s| match &s.value {
             Sample::Counter(v) | Sample::Gauge(v) | Sample::Untyped(v) => *v,
             other => panic!("{name} is {other:?}"),
@@ -537,7 +551,7 @@ fn every_dialect_publishes_the_real_servers_names_types_and_labels() {
                         "engine_type" if dialect == "sglang" => "unified",
                         "engine_type" => "undefined",
                         "pid" => &sim.process.pid().to_string(),
-                        "finished_reason" => continue,
+                        "finished_reason" | "mode" | "method" => continue,
                         other => panic!("{dialect}: unexpected label {other}"),
                     };
                     assert_eq!(value, fixed, "{dialect}: {name} {key}");
@@ -583,17 +597,31 @@ fn every_dialect_publishes_the_real_servers_names_types_and_labels() {
                 assert!((value(&scrape, "sglang:token_usage") - kv).abs() < 0.01);
                 assert_eq!(ttft_count("sglang:time_to_first_token_seconds"), 3.0);
                 assert_eq!(value(&scrape, "sglang:cached_tokens_total"), 64.0);
+                // Tokens of the two finished requests only, as SGLang counts them; the
+                // scheduler's per-iteration counter has the running stream's too.
+                assert_eq!(value(&scrape, "sglang:generation_tokens_total"), 10.0);
+                let decoded = by_label(&scrape, "sglang:realtime_tokens_total", "mode", "decode");
+                assert!(decoded > 10.0, "{decoded}");
             }
             "trtllm" => {
                 assert!((value(&scrape, "trtllm_kv_cache_utilization") - kv).abs() < 0.01);
                 assert_eq!(ttft_count("trtllm_time_to_first_token_seconds"), 3.0);
+                assert_eq!(value(&scrape, "trtllm_generation_tokens_total"), 10.0);
             }
             "llamacpp" => {
                 assert_eq!(value(&scrape, "llamacpp:prompt_tokens_cached_total"), 64.0);
                 // 66 + 2 + 10 computed: the second prompt's 64 cached tokens were not.
                 assert_eq!(value(&scrape, "llamacpp:prompt_tokens_total"), 78.0);
             }
-            "tgi" => assert_eq!(value(&scrape, "tgi_request_success"), 2.0),
+            "tgi" => {
+                assert_eq!(value(&scrape, "tgi_request_success"), 2.0);
+                // A request alone in its batch: its first token from a prefill pass, each
+                // other one from a decode pass (the running stream's may not have come yet).
+                let passes =
+                    |method| by_label(&scrape, "tgi_batch_inference_success", "method", method);
+                let (prefills, decodes) = (passes("prefill"), passes("decode"));
+                assert!(prefills >= 3.0 && decodes >= 8.0, "{prefills} {decodes}");
+            }
             _ => {}
         }
         // The API port serves it too, where the real server does, and so does the metrics

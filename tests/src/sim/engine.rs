@@ -242,6 +242,8 @@ pub struct Engine {
     running: Vec<Seq>,
     freeze: Option<Freeze>,
     step_open: bool,
+    /// Whether the open step prefills, and whether it decodes.
+    step_kinds: (bool, bool),
     /// When the scheduler last admitted from the queue ([`Engine::plan`]).
     last_plan: Option<Duration>,
     /// Counters and histograms for the metrics endpoint.
@@ -259,6 +261,7 @@ impl Engine {
             running: Vec::new(),
             freeze: None,
             step_open: false,
+            step_kinds: (false, false),
             last_plan: None,
             stats: Stats::new(buckets),
         })
@@ -363,6 +366,10 @@ impl Engine {
             return None;
         }
         self.step_open = true;
+        self.step_kinds = (prefill > 0, decoders > 0);
+        let forwards = &mut self.stats.forwards;
+        forwards.prefill_started += u64::from(prefill > 0);
+        forwards.decode_started += u64::from(decoders > 0);
         let prefill_time = self.config.prefill_time(prefill);
         let decode_time = if decoders > 0 {
             self.config.decode_time(decoders)
@@ -382,6 +389,10 @@ impl Engine {
     pub fn complete(&mut self, now: Duration) {
         assert!(self.step_open, "complete() without plan()");
         self.step_open = false;
+        let (prefilled, decoded) = self.step_kinds;
+        let forwards = &mut self.stats.forwards;
+        forwards.prefill_done += u64::from(prefilled);
+        forwards.decode_done += u64::from(decoded);
         let mut done = Vec::new();
         let mut busy = 0u64;
         for (index, seq) in self.running.iter_mut().enumerate() {
@@ -424,7 +435,12 @@ impl Engine {
                 };
                 // The client may leave between its last token and this; it got its answer.
                 let _ = seq.sink.send(Event::Finished { reason, usage });
-                self.stats.finish(reason, (now - seq.arrived).as_secs_f64());
+                self.stats.finish(
+                    reason,
+                    (now - seq.arrived).as_secs_f64(),
+                    seq.prompt_len as u64,
+                    u64::from(seq.generated),
+                );
                 done.push(index);
             }
         }

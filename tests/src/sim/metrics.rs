@@ -132,6 +132,13 @@ pub struct Stats {
     /// Prompt tokens actually computed (cached ones excluded, recomputation included).
     pub prefill_tokens_computed: u64,
     pub generation_tokens: u64,
+    /// Prompt and generated tokens of the requests that finished: what SGLang's tokenizer
+    /// and TensorRT-LLM's collector count, when a request ends.
+    pub finished_prompt_tokens: u64,
+    pub finished_generation_tokens: u64,
+    /// Forward passes with prefill and with decode work, started and done (TGI's
+    /// `tgi_batch_inference_count` and `_success`, by method).
+    pub forwards: Forwards,
     /// Prefix-cache lookups and hits, in tokens, once per request.
     pub prefix_queries: u64,
     pub prefix_hits: u64,
@@ -166,6 +173,9 @@ impl Stats {
             prompt_tokens: 0,
             prefill_tokens_computed: 0,
             generation_tokens: 0,
+            finished_prompt_tokens: 0,
+            finished_generation_tokens: 0,
+            forwards: Forwards::default(),
             prefix_queries: 0,
             prefix_hits: 0,
             hit_blocks: 0,
@@ -187,7 +197,9 @@ impl Stats {
         }
     }
 
-    pub fn finish(&mut self, reason: FinishReason, e2e_seconds: f64) {
+    pub fn finish(&mut self, reason: FinishReason, e2e_seconds: f64, prompt: u64, generated: u64) {
+        self.finished_prompt_tokens += prompt;
+        self.finished_generation_tokens += generated;
         match reason {
             FinishReason::Stop => self.finished_stop += 1,
             FinishReason::Length => self.finished_length += 1,
@@ -198,6 +210,16 @@ impl Stats {
     pub fn finished(&self) -> u64 {
         self.finished_stop + self.finished_length
     }
+}
+
+/// Forward passes by method, TGI's way: a step with prefill work is a prefill pass and one
+/// with decode work a decode pass (TGI runs them apart; the simulator's step may do both).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Forwards {
+    pub prefill_started: u64,
+    pub prefill_done: u64,
+    pub decode_started: u64,
+    pub decode_done: u64,
 }
 
 /// The real server whose metrics the simulator publishes.
@@ -496,9 +518,26 @@ fn sglang(out: &mut Exposition, e: &Engine, id: &Identity) {
     ] {
         out.metric(name, MULTIPROCESS, "gauge", scheduler, value);
     }
+    // The scheduler's per-iteration token counter; each mode's series appears at its first
+    // batch, as prometheus_client's labelled children do.
+    let name = "sglang:realtime_tokens_total";
+    out.header(name, MULTIPROCESS, "counter");
+    for (mode, count) in [
+        ("prefill_compute", s.prefill_tokens_computed),
+        ("prefill_cache", s.prefix_hits),
+        ("decode", s.generation_tokens),
+    ] {
+        if count > 0 {
+            let labels = [scheduler, &[("mode", mode)]].concat();
+            out.sample(name, &labels, count as f64);
+        }
+    }
     for (name, value) in [
-        ("sglang:prompt_tokens_total", s.prompt_tokens),
-        ("sglang:generation_tokens_total", s.generation_tokens),
+        ("sglang:prompt_tokens_total", s.finished_prompt_tokens),
+        (
+            "sglang:generation_tokens_total",
+            s.finished_generation_tokens,
+        ),
         ("sglang:cached_tokens_total", s.prefix_hits),
         ("sglang:num_requests_total", s.finished()),
     ] {
@@ -536,6 +575,26 @@ fn tgi(out: &mut Exposition, e: &Engine) {
     ] {
         out.metric(name, None, kind, &[], value);
         out.text.push('\n');
+    }
+    // Counted around each forward pass; a method's series appears at its first pass.
+    let f = &s.forwards;
+    for (name, prefill, decode) in [
+        (
+            "tgi_batch_inference_count",
+            f.prefill_started,
+            f.decode_started,
+        ),
+        ("tgi_batch_inference_success", f.prefill_done, f.decode_done),
+    ] {
+        if prefill + decode > 0 {
+            out.header(name, None, "counter");
+            for (method, count) in [("prefill", prefill), ("decode", decode)] {
+                if count > 0 {
+                    out.sample(name, &[("method", method)], count as f64);
+                }
+            }
+            out.text.push('\n');
+        }
     }
     out.histogram("tgi_request_duration", None, &[], &s.e2e);
     out.text.push('\n');
@@ -685,8 +744,11 @@ fn trtllm(out: &mut Exposition, e: &Engine, id: &Identity) {
         }
     }
     for (name, value) in [
-        ("trtllm_prompt_tokens_total", s.prompt_tokens),
-        ("trtllm_generation_tokens_total", s.generation_tokens),
+        ("trtllm_prompt_tokens_total", s.finished_prompt_tokens),
+        (
+            "trtllm_generation_tokens_total",
+            s.finished_generation_tokens,
+        ),
     ] {
         out.metric(name, MULTIPROCESS, "counter", labels, value as f64);
     }
