@@ -3,6 +3,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     mem::size_of,
+    ops::ControlFlow,
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
     sync::atomic::{AtomicU64, Ordering},
@@ -29,7 +30,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{objects, pins::Pins, plan::Plan, sync::Kind};
+use crate::{map_batch, objects, pins::Pins, plan::Plan, sync::Kind};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -879,27 +880,26 @@ pub fn open_flow_table(flows_id: u32) -> Result<BpfHashMap<MapData, FlowKey, Flo
 
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
 /// with no FIN or RST seen and not idle past their timeout, nor, with `quiet`, for longer
-/// than that. Walks the whole table, two system calls per entry, so it is for occasional
-/// questions (has a drained server's last stream ended?), asked without the controller's
-/// lock.
+/// than that. Walks the whole table (in batches, [`map_batch`]: about 0.2 s a million
+/// entries), so it is for occasional questions (has a drained server's last stream ended?),
+/// asked without the controller's lock.
 pub fn live_flows(
     flows_id: u32,
     ids: &HashSet<u32>,
     quiet: Option<Duration>,
 ) -> Result<HashMap<u32, u64>> {
-    let flows = open_flow_table(flows_id)?;
     let now = monotonic_ns();
     let heard = |e: &FlowEntry| {
         quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
     };
     let mut live = HashMap::new();
-    for item in flows.iter() {
-        // Entries come and go while we walk; one that vanished under us is not live.
-        let Ok((_, e)) = item else { continue };
+    map_batch::for_each(flows_id, |_: FlowKey, e: FlowEntry| {
         if ids.contains(&e.backend_id) && e.live_at(now) && heard(&e) {
             *live.entry(e.backend_id).or_insert(0) += 1;
         }
-    }
+        ControlFlow::Continue(())
+    })
+    .context("walking the flow table")?;
     Ok(live)
 }
 

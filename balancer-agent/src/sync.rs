@@ -16,6 +16,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
+    ops::ControlFlow,
     os::unix::fs::PermissionsExt,
     path::Path,
     sync::{
@@ -28,7 +29,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 use aya::maps::{MapData, RingBuf};
 use balancer_common::{
-    sync_epoch, words_addr, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN,
+    sync_epoch, words_addr, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE,
+    FLOW_EVENT_OPEN,
 };
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -509,27 +511,28 @@ const DUMP_PER_MS: usize = 4;
 /// through a handle of its own, so that the agent's lock is not held meanwhile, and keeps
 /// no more than one part in memory whatever the table's size. Returns how many it handed.
 pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Result<usize> {
-    let table = crate::dataplane::open_flow_table(flows_id)?;
     let now = crate::dataplane::monotonic_ns();
     let part = MAX_EVENTS * DUMP_PER_MS;
     let mut events = Vec::with_capacity(part);
     let mut handed = 0;
-    for item in table.iter() {
-        // Entries come and go while we walk.
-        let Ok((k, e)) = item else { continue };
+    let mut stopped = false;
+    crate::map_batch::for_each(flows_id, |k: FlowKey, e: FlowEntry| {
         if e.synced == 0 || !e.live_at(now) {
-            continue;
+            return ControlFlow::Continue(());
         }
         events.extend(Event::of(Kind::Alive, &k, e.nat_addr, e.nat_port));
         if events.len() == part {
             handed += part;
-            if !out(std::mem::replace(&mut events, Vec::with_capacity(part))) {
-                return Ok(handed);
+            stopped = !out(std::mem::replace(&mut events, Vec::with_capacity(part)));
+            if stopped {
+                return ControlFlow::Break(());
             }
         }
-    }
+        ControlFlow::Continue(())
+    })
+    .context("walking the flow table")?;
     handed += events.len();
-    if !events.is_empty() {
+    if !stopped && !events.is_empty() {
         out(events);
     }
     Ok(handed)

@@ -19,9 +19,12 @@
 //! - Map memory: `memlock` of every BPF map the agent holds (`/proc/PID/fdinfo`), the
 //!   kernel's own accounting of the map's memory; the flow table is preallocated, and the
 //!   figure is read again after filling it with distinct flows, to show it does not grow.
+//! - The walk of that filled table that answers a drain status (`drain --wait` asks for one
+//!   at every poll): its time and its entries.
 //!
 //! `cargo bench -p balancer-tests --bench agent_cost [-- --quick]`, as root.
 
+use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::thread::sleep;
@@ -29,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo};
+use balancer_agent::dataplane::live_flows;
 use balancer_common::{FlowEntry, FlowKey, FAMILY_V4, IPPROTO_TCP};
 use balancer_tests::agent::{release_agent_binary, ShownPool};
 use balancer_tests::bench::{cpu_seconds, fmt, quick_flag, status_kib, Report};
@@ -66,6 +70,25 @@ struct Cost {
     rss_mib: Option<f64>,
     hwm_mib: Option<f64>,
     stale: usize,
+}
+
+/// What one run measured.
+struct Measured {
+    costs: Vec<Cost>,
+    maps: Vec<MapMem>,
+    filled: Vec<MapMem>,
+    /// The drain-status walk of the filled flow table.
+    walk: Option<Walk>,
+}
+
+/// The walk of the filled flow table that answers a drain status.
+#[derive(Debug, Clone, Copy)]
+struct Walk {
+    entries: u64,
+    /// As the agent walks it ([`live_flows`], batched).
+    batched: Duration,
+    /// Entry by entry, as aya's iterator walks it: two system calls an entry.
+    per_entry: Duration,
 }
 
 /// One BPF map of the agent's.
@@ -120,8 +143,7 @@ fn main() -> Result<()> {
     let mut ns = Netns::create("agentcost")?;
     let result = measure(&mut ns, dir.path(), &agent, &plan);
     drop(ns);
-    let (costs, maps, filled) = result?;
-    report(quick, &plan, &costs, &maps, &filled, started.elapsed()).write()
+    report(quick, &plan, &result?, started.elapsed()).write()
 }
 
 /// Server `i`'s address: 10.5.0.1-128 for the first pool, 10.5.1.1-128 for the second.
@@ -130,12 +152,7 @@ fn address(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 5, (i / per_pool) as u8, (i % per_pool + 1) as u8)
 }
 
-fn measure(
-    ns: &mut Netns,
-    dir: &Path,
-    agent: &Path,
-    plan: &Plan,
-) -> Result<(Vec<Cost>, Vec<MapMem>, Vec<MapMem>)> {
+fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Measured> {
     ns.ip(&["link", "add", "a0", "type", "veth", "peer", "name", "a1"])?;
     let batch: String = (0..SERVERS)
         .map(|i| format!("addr add {}/32 dev lo\n", address(i)))
@@ -181,6 +198,7 @@ fn measure(
     let mut costs = Vec::new();
     let mut maps = Vec::new();
     let mut filled = Vec::new();
+    let mut walk = None;
     for (k, &(interval, warmup, window)) in plan.intervals.iter().enumerate() {
         let socket = dir.join(format!("agent-{k}.sock"));
         let config = dir.join(format!("agent-{k}.toml"));
@@ -238,6 +256,7 @@ fn measure(
                     t.elapsed().as_secs_f64()
                 );
                 filled = map_memory(pid)?;
+                walk = Some(drain_walk(flows.id)?);
             }
             Ok(())
         })();
@@ -248,7 +267,42 @@ fn measure(
         outcome?;
         ensure!(status.success(), "the agent exited with {status}");
     }
-    Ok((costs, maps, filled))
+    Ok(Measured {
+        costs,
+        maps,
+        filled,
+        walk,
+    })
+}
+
+/// Times what a drain status costs the agent: the walk of the whole flow table that counts
+/// one server's open connections ([`live_flows`]), here backend 1's (every entry written
+/// names it, with a 600 s idle timeout, and none has been seen: none is live); and, for
+/// comparison, a walk entry by entry with aya's iterator.
+fn drain_walk(flows_id: u32) -> Result<Walk> {
+    let t = Instant::now();
+    let live = live_flows(flows_id, &HashSet::from([1]), None)?;
+    let batched = t.elapsed();
+    let t = Instant::now();
+    let mut entries = 0;
+    for item in balancer_agent::dataplane::open_flow_table(flows_id)?.iter() {
+        entries += u64::from(item.is_ok());
+    }
+    let per_entry = t.elapsed();
+    ensure!(
+        live.is_empty(),
+        "entries never seen counted as live: {live:?}"
+    );
+    eprintln!(
+        "drain-status walk of {entries} entries: {:.0} ms batched, {:.0} ms entry by entry",
+        batched.as_secs_f64() * 1e3,
+        per_entry.as_secs_f64() * 1e3
+    );
+    Ok(Walk {
+        entries,
+        batched,
+        per_entry,
+    })
 }
 
 /// The `/metrics` requests `bench-server` has answered so far.
@@ -399,14 +453,13 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-fn report(
-    quick: bool,
-    plan: &Plan,
-    costs: &[Cost],
-    maps: &[MapMem],
-    filled: &[MapMem],
-    took: Duration,
-) -> Report {
+fn report(quick: bool, plan: &Plan, measured: &Measured, took: Duration) -> Report {
+    let Measured {
+        costs,
+        maps,
+        filled,
+        walk,
+    } = measured;
     let mut out = Report {
         name: "agent-cost".into(),
         quick,
@@ -504,6 +557,27 @@ fn report(
     out.figures
         .insert("bytes_per_connection".into(), per_connection);
     out.figures.insert("all_maps_mib".into(), Some(mib(total)));
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let walk_ms = walk.map(|w| ms(w.batched));
+    let per_entry_ms = walk.map(|w| ms(w.per_entry));
+    md += &format!(
+        "A drain status (`drain --wait` asks for one at every poll) counts the server's open \
+         connections by walking the whole flow table, in batches of thousands of entries a \
+         system call (`BPF_MAP_LOOKUP_BATCH`): {} ms for the {} entries found; entry by entry, \
+         as aya's iterator walks a map (two system calls an entry), {} ms.\n\n",
+        fmt(walk_ms, 0),
+        walk.map_or(0, |w| w.entries),
+        fmt(per_entry_ms, 0)
+    );
+    out.figures.insert("drain_walk_ms".into(), walk_ms);
+    out.figures
+        .insert("drain_walk_per_entry_ms".into(), per_entry_ms);
+    out.summary.push(format!(
+        "agent    drain-status walk of {} flow-table entries: {} ms batched, {} ms entry by entry",
+        walk.map_or(0, |w| w.entries),
+        fmt(walk_ms, 0),
+        fmt(per_entry_ms, 0)
+    ));
     out.summary.push(format!(
         "agent    maps: flow table for 1M connections {} MiB ({} bytes/connection), all maps {:.1} MiB",
         fmt(flows_mib, 1),

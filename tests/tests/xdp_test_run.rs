@@ -408,6 +408,88 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
     })
 }
 
+/// The agent walks the flow table in batches (`map_batch`, for drain statuses and the sync
+/// dump): it must see every entry once, as aya's iterator (two calls an entry) sees them,
+/// across several batches; stop where its callback breaks; and refuse the wrong types.
+#[test]
+fn the_flow_table_is_walked_in_batches() -> Result<()> {
+    in_topology(|| {
+        use balancer_agent::map_batch;
+        use balancer_common::{FlowEntry, FlowKey};
+        use std::ops::ControlFlow;
+
+        let mut h = Harness::new()?;
+        // More than two batches of 16384, fewer than the table's 65536 entries.
+        const ENTRIES: u32 = 40_000;
+        for i in 0..ENTRIES {
+            let key = FlowKey {
+                src: [
+                    u32::from_be_bytes([172, 16, (i >> 8) as u8, i as u8]),
+                    0,
+                    0,
+                    0,
+                ],
+                dst: [u32::from_be_bytes([192, 0, 2, 60]), 0, 0, 0],
+                sport: ((i >> 16) as u16 + 1024).to_be(),
+                dport: 8000u16.to_be(),
+                proto: balancer_common::IPPROTO_TCP,
+                family: balancer_common::FAMILY_V4,
+                _pad: [0; 2],
+            };
+            let entry = FlowEntry {
+                backend_id: i % 7 + 1,
+                nat_port: (i as u16).to_be(),
+                idle_timeout_s: 600,
+                ..Default::default()
+            };
+            h.dp.flow_table().insert(key, entry, 0)?;
+        }
+        let id = h.dp.flows_id();
+        let sorted = |mut v: Vec<(FlowKey, FlowEntry)>| {
+            v.sort_by_key(|(k, _)| (k.src, k.sport));
+            v
+        };
+        let mut batched = Vec::new();
+        map_batch::for_each(id, |k: FlowKey, e: FlowEntry| {
+            batched.push((k, e));
+            ControlFlow::Continue(())
+        })?;
+        let one_by_one: Vec<(FlowKey, FlowEntry)> =
+            h.dp.flow_table().iter().collect::<Result<_, _>>()?;
+        ensure!(
+            one_by_one.len() as u32 >= ENTRIES - 64,
+            "only {} of {ENTRIES} entries written stayed",
+            one_by_one.len()
+        );
+        ensure!(
+            batched.len() == one_by_one.len(),
+            "{} entries walked in batches, {} one by one",
+            batched.len(),
+            one_by_one.len()
+        );
+        ensure!(
+            sorted(batched) == sorted(one_by_one),
+            "the batches hold other entries than the table"
+        );
+
+        let mut seen = 0;
+        map_batch::for_each(id, |_: FlowKey, _: FlowEntry| {
+            seen += 1;
+            if seen == 20_000 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        ensure!(seen == 20_000, "the walk went on after a break: {seen}");
+
+        let wrong = map_batch::for_each(id, |_: u64, _: FlowEntry| ControlFlow::Continue(()));
+        let message = format!("{:#}", wrong.expect_err("8-byte keys"));
+        ensure!(message.contains("40-byte keys"), "{message}");
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry

@@ -1,0 +1,122 @@
+//! Reading a whole BPF hash map in batches (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6): one system
+//! call per [`BATCH`] entries. aya 0.14 has no batch operations, and its iterator makes two
+//! calls per entry (next key, then lookup): a drain status walked a million-entry flow table
+//! in 2.3 s that way, 0.6 to 0.7 s in batches (the rest is the kernel's walk of its buckets).
+//! The layout of the call's arguments is aya-obj's kernel bindings.
+
+use std::{
+    mem::size_of,
+    ops::ControlFlow,
+    os::fd::{AsFd, AsRawFd},
+    ptr,
+};
+
+use anyhow::{bail, ensure, Context, Result};
+use aya::{
+    maps::{MapInfo, MapType},
+    Pod,
+};
+use aya_obj::generated::{bpf_attr, bpf_cmd};
+
+/// Entries asked for per call: 4096 walked a million flow entries in 0.72 s, 65536 in 0.61 s
+/// with 16 times the buffers (a few MB for the flow table). The kernel hands out
+/// whole hash buckets, and refuses a batch smaller than the fullest bucket (ENOSPC): then the
+/// buffers double, up to [`MAX_BATCH`].
+const BATCH: usize = 16384;
+const MAX_BATCH: usize = 1 << 20;
+
+/// Hands every entry of the hash map with id `map_id` to `f`, until it breaks. Entries that
+/// come and go during the walk may be seen or not, as with any walk of a live map.
+pub fn for_each<K: Pod, V: Pod>(
+    map_id: u32,
+    mut f: impl FnMut(K, V) -> ControlFlow<()>,
+) -> Result<()> {
+    let info = MapInfo::from_id(map_id).with_context(|| format!("map {map_id}"))?;
+    let kind = info.map_type()?;
+    ensure!(
+        matches!(kind, MapType::Hash | MapType::LruHash),
+        "map {map_id} is a {kind:?}, not a hash map"
+    );
+    let (key_size, value_size) = (size_of::<K>(), size_of::<V>());
+    ensure!(
+        info.key_size() as usize == key_size && info.value_size() as usize == value_size,
+        "map {map_id} has {}-byte keys and {}-byte values, not {key_size} and {value_size}",
+        info.key_size(),
+        info.value_size()
+    );
+    let fd = info.fd()?;
+    let mut batch = BATCH;
+    let mut keys = vec![0u8; batch * key_size];
+    let mut values = vec![0u8; batch * value_size];
+    // The position to go on from, which the kernel writes (a bucket index for a hash map);
+    // room for a u64, whatever it holds.
+    let (mut from, mut next) = (0u64, 0u64);
+    let mut started = false;
+    loop {
+        // SAFETY: an all-zero bpf_attr is valid, and zero is what the kernel expects of
+        // every field not set below.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing plain integers into the union's batch variant.
+        let args = unsafe { &mut attr.batch };
+        args.in_batch = if started {
+            ptr::from_ref(&from) as u64
+        } else {
+            0
+        };
+        args.out_batch = ptr::from_mut(&mut next) as u64;
+        args.keys = keys.as_mut_ptr() as u64;
+        args.values = values.as_mut_ptr() as u64;
+        args.count = batch as u32;
+        args.map_fd = fd.as_fd().as_raw_fd() as u32;
+        // SAFETY: the kernel writes at most `count` keys and values into buffers of that many,
+        // and one position into `next`; every pointer outlives the call.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                bpf_cmd::BPF_MAP_LOOKUP_BATCH as libc::c_long,
+                ptr::from_mut(&mut attr),
+                size_of::<bpf_attr>() as libc::c_uint,
+            )
+        };
+        let error = (ret < 0).then(std::io::Error::last_os_error);
+        let last = match error.as_ref().and_then(std::io::Error::raw_os_error) {
+            None => false,
+            // The end: the entries of this last call are in the buffers.
+            Some(libc::ENOENT) => true,
+            Some(libc::ENOSPC) if batch < MAX_BATCH => {
+                batch *= 2;
+                keys.resize(batch * key_size, 0);
+                values.resize(batch * value_size, 0);
+                continue;
+            }
+            Some(_) => bail!(
+                "reading map {map_id} in batches: {}",
+                error.expect("an error")
+            ),
+        };
+        // SAFETY: the kernel wrote back the number of entries it filled.
+        let count = (unsafe { attr.batch.count } as usize).min(batch);
+        for i in 0..count {
+            // SAFETY: entry i lies within the buffers (i < batch), and any bytes are a valid
+            // K or V (Pod); the buffers are bytes, hence the unaligned reads.
+            let (k, v) = unsafe {
+                (
+                    ptr::read_unaligned(keys.as_ptr().add(i * key_size).cast::<K>()),
+                    ptr::read_unaligned(values.as_ptr().add(i * value_size).cast::<V>()),
+                )
+            };
+            if f(k, v).is_break() {
+                return Ok(());
+            }
+        }
+        if last {
+            return Ok(());
+        }
+        ensure!(
+            count > 0 || !started || next != from,
+            "reading map {map_id} in batches: no progress"
+        );
+        from = next;
+        started = true;
+    }
+}
