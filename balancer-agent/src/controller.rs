@@ -402,7 +402,9 @@ impl Controller {
                         warn!(pool = %target.key.0, server = %target.key.1, "signal left out: {why}");
                     }
                     s.max_running = s.max_running.max(reading.running);
-                    s.progress = Progress::observe(s.progress, reading.progress, target.sent_at);
+                    let idle = reading.running == 0.0 && reading.waiting == 0.0;
+                    s.progress =
+                        Progress::observe(s.progress, reading.progress, idle, target.sent_at);
                     s.reading = Some(reading);
                     s.reading_at = Some(target.sent_at);
                     s.at_scrape = target.stats;
@@ -706,7 +708,7 @@ impl Controller {
                 .then_some(s.reading.as_ref())
                 .flatten();
             let queued = fresh.is_some_and(|r| queueing(r, slots, s.max_running));
-            let hung = s.progress.and_then(|p| p.still_for(now, hung_after));
+            let hung = s.progress.and_then(|p| p.still_for(hung_after));
             let outcome = match &result {
                 Ok(()) => Outcome::Ok,
                 Err(e) if queued && hung.is_none() && Waited::explains(e) => Outcome::Busy,
@@ -721,7 +723,7 @@ impl Controller {
             s.health = match (&result, outcome, hung) {
                 (Ok(()), _, _) => "ok".into(),
                 (Err(e), Outcome::Busy, _) => format!("busy (queue or every slot taken): {e:#}"),
-                (Err(e), _, Some(still)) if queued => format!(
+                (Err(e), _, Some(still)) if queued && Waited::explains(e) => format!(
                     "failed: hung (a queue, and no progress for {:.0} s): {e:#}",
                     still.as_secs_f64()
                 ),
@@ -1047,31 +1049,44 @@ impl DrainQuestion {
     }
 }
 
-/// A dialect's progress counter (`Reading::progress`) and when a scrape last saw it move.
+/// A dialect's progress counter (`Reading::progress`): since when scrapes have found it
+/// standing still while the server had work, and the last scrape that found it so.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Progress {
     value: f64,
     moved_at: Instant,
+    seen_at: Instant,
 }
 
 impl Progress {
-    /// `last`, after a scrape sent at `at` read `value`. Any change is a move, a counter that
-    /// went back (a restart) too; so is a first value, since nothing says how long it had
-    /// stood. A dialect without the counter, or a server not publishing it, has none.
-    fn observe(last: Option<Progress>, value: Option<f64>, at: Instant) -> Option<Progress> {
+    /// `last`, after a scrape sent at `at` read `value` from a server `idle` or not. Any
+    /// change is a move, a counter that went back (a restart) too; so is a first value, since
+    /// nothing says how long it had stood; and so is an idle reading, since an engine with
+    /// nothing to do makes no progress and is not hung. A dialect without the counter, or a
+    /// server not publishing it, has none.
+    fn observe(
+        last: Option<Progress>,
+        value: Option<f64>,
+        idle: bool,
+        at: Instant,
+    ) -> Option<Progress> {
         let value = value?;
         Some(match last {
-            Some(p) if p.value == value => p,
+            Some(p) if p.value == value && !idle => Progress { seen_at: at, ..p },
             _ => Progress {
                 value,
                 moved_at: at,
+                seen_at: at,
             },
         })
     }
 
-    /// How long the counter has stood still at `now`, once that is longer than `hung_after`.
-    fn still_for(self, now: Instant, hung_after: Duration) -> Option<Duration> {
-        Some(now.saturating_duration_since(self.moved_at)).filter(|still| *still > hung_after)
+    /// How long scrapes found the counter standing still with work to do, once that is
+    /// longer than `hung_after`: measured between scrapes, so that a long scrape interval
+    /// alone never makes a hang.
+    fn still_for(self, hung_after: Duration) -> Option<Duration> {
+        Some(self.seen_at.saturating_duration_since(self.moved_at))
+            .filter(|still| *still > hung_after)
     }
 }
 
@@ -1157,28 +1172,38 @@ mod tests {
         assert!(!queueing(&reading(5.0, 0.0), None, 0.0));
     }
 
-    /// A counter that stands still for longer than `hung_after` is a hung engine; any move,
-    /// back or forth, restarts the clock, and a server without the counter is never hung.
+    /// A counter that scrapes find standing still, with work to do, for longer than
+    /// `hung_after` is a hung engine; any move, back or forth, or an idle reading restarts
+    /// the clock, and a server without the counter is never hung.
     #[test]
     fn progress_standing_still_is_a_hang() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let hung_after = s(30);
-        let first = Progress::observe(None, Some(100.0), t0).unwrap();
+        let busy = |last, value, at| Progress::observe(last, value, false, at);
+        let first = busy(None, Some(100.0), t0).unwrap();
         assert_eq!(first.moved_at, t0, "a first value counts as a move");
-        let same = Progress::observe(Some(first), Some(100.0), t0 + s(20)).unwrap();
-        assert_eq!(same, first);
-        assert_eq!(same.still_for(t0 + s(30), hung_after), None);
-        assert_eq!(same.still_for(t0 + s(31), hung_after), Some(s(31)));
+        let at_30 = busy(Some(first), Some(100.0), t0 + s(30)).unwrap();
+        assert_eq!(at_30.moved_at, t0);
+        assert_eq!(at_30.still_for(hung_after), None);
+        let at_31 = busy(Some(at_30), Some(100.0), t0 + s(31)).unwrap();
+        assert_eq!(at_31.still_for(hung_after), Some(s(31)));
         for moved in [101.0, 3.0] {
-            let p = Progress::observe(Some(same), Some(moved), t0 + s(40)).unwrap();
-            assert_eq!(p.still_for(t0 + s(41), hung_after), None, "{moved}");
-            assert_eq!(p.still_for(t0 + s(71), hung_after), Some(s(31)), "{moved}");
+            let p = busy(Some(at_31), Some(moved), t0 + s(40)).unwrap();
+            assert_eq!(p.still_for(hung_after), None, "{moved}");
+            let p = busy(Some(p), Some(moved), t0 + s(71)).unwrap();
+            assert_eq!(p.still_for(hung_after), Some(s(31)), "{moved}");
         }
-        assert_eq!(Progress::observe(Some(same), None, t0 + s(40)), None);
-        // A clock read before the scrape's send time is no reason to panic.
-        let later = Progress::observe(None, Some(1.0), t0 + s(5)).unwrap();
-        assert_eq!(later.still_for(t0, hung_after), None);
+        assert_eq!(busy(Some(at_31), None, t0 + s(40)), None);
+        // Idle for an hour, then work: the clock starts at the last idle reading.
+        let idle = Progress::observe(Some(first), Some(100.0), true, t0 + s(3600)).unwrap();
+        let working = busy(Some(idle), Some(100.0), t0 + s(3610)).unwrap();
+        assert_eq!(working.still_for(hung_after), None);
+        let working = busy(Some(working), Some(100.0), t0 + s(3631)).unwrap();
+        assert_eq!(working.still_for(hung_after), Some(s(31)));
+        // Only scrapes count: however late the check, a counter last read a moment after it
+        // moved has not been seen standing still.
+        assert_eq!(first.still_for(hung_after), None);
     }
 
     /// Only a wait may be a queue: a refused connection, an HTTP error, a wrong answer or a

@@ -880,7 +880,7 @@ pub fn open_flow_table(flows_id: u32) -> Result<BpfHashMap<MapData, FlowKey, Flo
 
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
 /// with no FIN or RST seen and not idle past their timeout, nor, with `quiet`, for longer
-/// than that. Walks the whole table (in batches, [`map_batch`]: about 0.2 s a million
+/// than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million
 /// entries), so it is for occasional questions (has a drained server's last stream ended?),
 /// asked without the controller's lock.
 pub fn live_flows(

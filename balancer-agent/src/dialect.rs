@@ -29,7 +29,8 @@
 //! from a busy one. Only counters moved per step qualify; a busy server with long streams may
 //! finish nothing for minutes, so counters moved at a request's end do not:
 //! - vLLM: `vllm:generation_tokens_total`, the tokens each step emitted (`record()` runs once
-//!   per batch of engine outputs). A step that only prefills emits nothing.
+//!   per batch of engine outputs). A step that only prefills chunks of prompts it does not
+//!   finish emits nothing.
 //! - SGLang: `sglang:realtime_tokens_total` (by `mode`: decode every iteration, prefill every
 //!   batch; older builds only every `decode_log_interval` steps) and
 //!   `sglang:cuda_graph_passes_total` (one per forward batch). Its `generation_tokens_total`

@@ -24,6 +24,8 @@ use aya_obj::generated::{bpf_attr, bpf_cmd};
 /// buffers double, up to [`MAX_BATCH`].
 const BATCH: usize = 16384;
 const MAX_BATCH: usize = 1 << 20;
+/// Calls answered EBUSY or EAGAIN retried in one walk before it fails.
+const BUSY_RETRIES: u32 = 100;
 
 /// Hands every entry of the hash map with id `map_id` to `f`, until it breaks. Entries that
 /// come and go during the walk may be seen or not, as with any walk of a live map.
@@ -52,6 +54,7 @@ pub fn for_each<K: Pod, V: Pod>(
     // room for a u64, whatever it holds.
     let (mut from, mut next) = (0u64, 0u64);
     let mut started = false;
+    let mut busy = 0;
     loop {
         // SAFETY: an all-zero bpf_attr is valid, and zero is what the kernel expects of
         // every field not set below.
@@ -87,6 +90,13 @@ pub fn for_each<K: Pod, V: Pod>(
                 batch *= 2;
                 keys.resize(batch * key_size, 0);
                 values.resize(batch * value_size, 0);
+                continue;
+            }
+            // A bucket held by a program on this CPU (the kernel will not spin on it): the
+            // same batch again, a bounded number of times.
+            Some(libc::EBUSY | libc::EAGAIN) if busy < BUSY_RETRIES => {
+                busy += 1;
+                std::thread::yield_now();
                 continue;
             }
             Some(_) => bail!(

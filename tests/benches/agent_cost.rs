@@ -256,7 +256,7 @@ fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Meas
                     t.elapsed().as_secs_f64()
                 );
                 filled = map_memory(pid)?;
-                walk = Some(drain_walk(flows.id)?);
+                walk = Some(drain_walk(flows.id, plan.fill)?);
             }
             Ok(())
         })();
@@ -276,12 +276,11 @@ fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Meas
 }
 
 /// Times what a drain status costs the agent: the walk of the whole flow table that counts
-/// one server's open connections ([`live_flows`]), here backend 1's (every entry written
-/// names it, with a 600 s idle timeout, and none has been seen: none is live); and, for
-/// comparison, a walk entry by entry with aya's iterator.
-fn drain_walk(flows_id: u32) -> Result<Walk> {
+/// one server's open connections ([`live_flows`]), here backend 1's, which every entry
+/// written names; and, for comparison, a walk entry by entry with aya's iterator.
+fn drain_walk(flows_id: u32, written: u32) -> Result<Walk> {
     let t = Instant::now();
-    let live = live_flows(flows_id, &HashSet::from([1]), None)?;
+    live_flows(flows_id, &HashSet::from([1]), None)?;
     let batched = t.elapsed();
     let t = Instant::now();
     let mut entries = 0;
@@ -289,9 +288,10 @@ fn drain_walk(flows_id: u32) -> Result<Walk> {
         entries += u64::from(item.is_ok());
     }
     let per_entry = t.elapsed();
+    // An LRU table may evict a few entries before it is full.
     ensure!(
-        live.is_empty(),
-        "entries never seen counted as live: {live:?}"
+        entries >= u64::from(written) * 99 / 100,
+        "the walk found {entries} of the {written} entries written"
     );
     eprintln!(
         "drain-status walk of {entries} entries: {:.0} ms batched, {:.0} ms entry by entry",

@@ -402,6 +402,7 @@ impl Engine {
             busy += 1;
             if let Phase::Prefill(_) = seq.phase {
                 seq.phase = Phase::Decode;
+                self.stats.prefill_cached += seq.cached_tokens as u64;
                 for (&block, &hash) in seq.blocks.iter().zip(&seq.hashes) {
                     self.pool.publish(block, hash);
                 }

@@ -142,6 +142,9 @@ pub struct Stats {
     /// Prefix-cache lookups and hits, in tokens, once per request.
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Cached prompt tokens of the sequences whose prefill step completed (SGLang's
+    /// per-batch count, where `prefix_hits` counts at admission).
+    pub prefill_cached: u64,
     pub hit_blocks: u64,
     pub missed_blocks: u64,
     pub last_batch_hit_rate: f64,
@@ -178,6 +181,7 @@ impl Stats {
             forwards: Forwards::default(),
             prefix_queries: 0,
             prefix_hits: 0,
+            prefill_cached: 0,
             hit_blocks: 0,
             missed_blocks: 0,
             last_batch_hit_rate: 0.0,
@@ -524,7 +528,7 @@ fn sglang(out: &mut Exposition, e: &Engine, id: &Identity) {
     out.header(name, MULTIPROCESS, "counter");
     for (mode, count) in [
         ("prefill_compute", s.prefill_tokens_computed),
-        ("prefill_cache", s.prefix_hits),
+        ("prefill_cache", s.prefill_cached),
         ("decode", s.generation_tokens),
     ] {
         if count > 0 {
