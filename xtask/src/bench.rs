@@ -271,37 +271,42 @@ fn header(
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ. At 03:47 on 2026-12-02 ours stayed between 1.7 and 3.6 ms while \
-         nftables had two quiet rounds under 0.9 ms (and HAProxy one). Run again at 05:20 \
-         with only ours and nftables (five rounds, the same phases), the two were level: ours \
-         1.78 to 3.55 ms (median 2.46), nftables 0.82 to 3.30 ms (median 2.34); during each \
-         latency phase no CPU's softirq ran out of budget (`time_squeeze` in \
-         `/proc/net/softnet_stat` unchanged), nothing was dropped and ksoftirqd ran for 1 or \
-         2 ticks, so the tail is not softirq work deferred to a thread. Stopping the agent \
-         during the measurement did not change it either. At 06:05 ours (2.66 ms) was ahead \
-         of nftables (2.85) and behind HAProxy (2.46). The p50 is steady, within a few percent \
-         of nftables (0.372 against 0.364 ms at 03:47, ahead at 00:39 and at 06:05).\n\
-         - bulk throughput, where it is missed: ours and nftables are level, and HAProxy led in \
-         the last five runs (by 19% at 18:34 on 2026-12-01, by 28% and in every round at 21:29, by \
-         11% at 00:39 on 2026-12-02, by 24% at 03:47, by 14% at 06:05), \
-         where ours had led it by 5% on 2026-11-30 (per-round table in section 2). GRO is off on these \
-         veth links (veth's default), so nftables forwards every 1500-byte frame as the XDP \
-         program does, and HAProxy relays between two TCP connections; the client's and the \
-         backends' TCP stacks share the two CPUs with the gateway, so the line measures them as \
-         much as the gateway. A profile of one bulk phase of each (`perf record -a -e \
-         cpu-clock`) found both CPUs about 20% idle with ours and with nftables (not with \
-         HAProxy), and the XDP program at 1.6% of the samples: the gateway's CPU is not what \
-         limits these streams. With direct server return (the context column: its answers go \
-         around the gateway, so not the same path) the same streams run at about twice the \
-         rate.\n\
+         nftables had two quiet rounds under 0.9 ms (and HAProxy one). Run again at 05:20 with \
+         only ours and nftables (five rounds, the same phases), the two were level: ours 1.78 \
+         to 3.55 ms (median 2.46), nftables 0.82 to 3.30 ms (median 2.34); during each latency \
+         phase no CPU's softirq ran out of budget (`time_squeeze` in `/proc/net/softnet_stat` \
+         unchanged), nothing was dropped and ksoftirqd ran for 1 or 2 ticks, so the tail is not \
+         softirq work deferred to a thread. Stopping the agent during the measurement did not \
+         change it either. At 06:05 ours (2.66 ms) was ahead of nftables (2.85) and behind \
+         HAProxy (2.46). At 08:55 the whole machine was quieter (every system's p99 three to \
+         five times lower) and ours was ahead of both: 0.52 ms against 0.57 (nftables) and 0.68 \
+         (HAProxy). The p50 is steady, within a few percent of nftables (0.372 against 0.364 ms \
+         at 03:47, ahead at 00:39 and at 06:05).\n\
+         - bulk throughput, where it is missed: ours and nftables are about level (at 08:55 \
+         ours led nftables in three rounds of five, from 1.62 to 2.47 Gbit/s, yet its median \
+         was 14% lower), and HAProxy led in the last six runs (by 19% at 18:34 on 2026-12-01, \
+         by 28% and in every round at 21:29, by 11% at 00:39 on 2026-12-02, by 24% at 03:47, by \
+         14% at 06:05, by 48% at 08:55), where ours had led it by 5% on 2026-11-30 (per-round \
+         table in section 2). GRO is off on these veth links (veth's default), so nftables \
+         forwards every 1500-byte frame as the XDP program does, and HAProxy relays between two \
+         TCP connections; the client's and the backends' TCP stacks share the two CPUs with the \
+         gateway, so the line measures them as much as the gateway. A profile of one bulk phase \
+         of each (`perf record -a -e cpu-clock`) found both CPUs about 20% idle with ours and \
+         with nftables (not with HAProxy), and the XDP program at 1.6% of the samples: the \
+         gateway's CPU is not what limits these streams. With direct server return (the context \
+         column: its answers go around the gateway, so not the same path) the same streams run \
+         at about twice the rate.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
          is the sixth slowest: the same policy's p99 moves by more than a second between runs \
-         (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29).\n\
+         (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29, 4.3 s at \
+         08:55 on 2026-12-02).\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
-         runs.\n\n",
+         runs (at 08:55, tight cache, hints trailed least-connections by 0.7 points and \
+         round-robin by 0.1; roomy, they led every policy).\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
