@@ -93,8 +93,9 @@ pub struct Agent {
     pub health_interval_ms: u64,
     #[serde(default = "default_health_timeout_ms")]
     pub health_timeout_ms: u64,
-    /// A server with a queue whose progress counter (see `dialect`) has not moved for this
-    /// long is hung, not busy: its checks that time out count as failed again.
+    /// A server with a queue whose progress counter (see `dialect`) scrapes have found
+    /// unchanged, while it had requests, for this long is hung, not busy: its checks that
+    /// time out count as failed again.
     #[serde(default = "default_hung_after_ms")]
     pub hung_after_ms: u64,
     /// Consecutive failed checks that take a server DOWN.

@@ -871,13 +871,6 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
         .with_context(|| format!("bucket {bucket} of VIP {vip_id} is out of range"))
 }
 
-/// The flow table whose map id is `flows_id`, opened anew: for a walk on another thread
-/// than the one that holds the `Dataplane`.
-pub fn open_flow_table(flows_id: u32) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>> {
-    let data = MapData::from_id(flows_id).context("opening the flow table")?;
-    Ok(BpfHashMap::try_from(Map::LruHashMap(data))?)
-}
-
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
 /// with no FIN or RST seen and not idle past their timeout, nor, with `quiet`, for longer
 /// than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million

@@ -284,7 +284,7 @@ fn drain_walk(flows_id: u32, written: u32) -> Result<Walk> {
     let batched = t.elapsed();
     let t = Instant::now();
     let mut entries = 0;
-    for item in balancer_agent::dataplane::open_flow_table(flows_id)?.iter() {
+    for item in flow_table(flows_id)?.iter() {
         entries += u64::from(item.is_ok());
     }
     let per_entry = t.elapsed();
@@ -415,11 +415,15 @@ fn map_memory(pid: libc::pid_t) -> Result<Vec<MapMem>> {
     Ok(maps)
 }
 
+/// The flow table with map id `id`, through aya.
+fn flow_table(id: u32) -> Result<BpfHashMap<MapData, FlowKey, FlowEntry>> {
+    let data = MapData::from_id(id).context("opening the flow table")?;
+    BpfHashMap::try_from(Map::LruHashMap(data)).context("the flow table as a hash map")
+}
+
 /// Writes `n` distinct IPv4 flows into the flow table with map id `id`.
 fn fill_flows(id: u32, n: u32) -> Result<()> {
-    let data = MapData::from_id(id).context("opening the flow table")?;
-    let mut table: BpfHashMap<MapData, FlowKey, FlowEntry> =
-        BpfHashMap::try_from(Map::LruHashMap(data)).context("the flow table as a hash map")?;
+    let mut table = flow_table(id)?;
     for i in 0..n {
         let key = FlowKey {
             src: [
