@@ -2346,11 +2346,7 @@ fn reports(
         flags: "PA",
         bulk: 0,
     };
-    let run = |h: &mut Harness, ingress: u32, f: &Frame| -> Result<()> {
-        let (v, _) = h.run(ingress, &f.bytes())?;
-        ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
-        Ok(())
-    };
+    let run = |h: &mut Harness, ingress: u32, f: &Frame| forwarded(h, ingress, f, fam);
     let (g0, g1) = (h.g0, h.g1);
     run(h, g0, &syn)?;
     ensure!(reported(ring).is_empty(), "{fam}: reported at its SYN");
@@ -2402,6 +2398,13 @@ fn reports(
     opens_bounded(h, ring, n, sharing, &syn)
 }
 
+/// Runs `f` in from `ingress`, which the program must forward (`XDP_REDIRECT`).
+fn forwarded(h: &mut Harness, ingress: u32, f: &Frame, fam: &str) -> Result<()> {
+    let (v, _) = h.run(ingress, &f.bytes())?;
+    ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
+    Ok(())
+}
+
 /// Forged packets buy no reports beyond the allowance: a SYN that is never acknowledged is
 /// reported neither when it comes again nor when a RST ends it, and the opens of a flood of
 /// SYN and ACK pairs are reported up to each CPU's allowance, the rest at their next packet
@@ -2415,11 +2418,7 @@ fn opens_bounded(
 ) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let g0 = h.g0;
-    let run = |h: &mut Harness, f: &Frame| -> Result<()> {
-        let (v, _) = h.run(g0, &f.bytes())?;
-        ensure!(v == XDP_REDIRECT, "{fam}: verdict {v} for {}", f.flags);
-        Ok(())
-    };
+    let run = |h: &mut Harness, f: &Frame| forwarded(h, g0, f, fam);
     let unacked = syn.with(|f| f.sport = 40304);
     run(h, &unacked)?;
     // Its keepalive due, if it were one.
