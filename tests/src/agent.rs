@@ -436,16 +436,7 @@ pub fn release_agent_binary() -> Result<PathBuf> {
 /// and compiles the agent and a good part of its dependencies a second time, the XDP
 /// program included: minutes of every CI run.
 const BUILD_ARGS: [&str; 4] = ["build", "--workspace", "--bins", "--tests"];
-const RELEASE_BUILD_ARGS: [&str; 8] = [
-    "build",
-    "--release",
-    "-p",
-    "balancer-tests",
-    "-p",
-    "balancer-agent",
-    "--bins",
-    "--benches",
-];
+include!("build_args.rs");
 
 fn build_agent(release: bool) -> Result<PathBuf> {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -23,6 +23,8 @@ use anyhow::{bail, ensure, Context, Result};
 
 use crate::cmd;
 
+include!("../../tests/src/build_args.rs");
+
 /// (cargo bench target, report name, what it measures).
 const BENCHES: [(&str, &str, &str); 4] = [
     (
@@ -57,16 +59,7 @@ pub fn run(quick: bool) -> Result<()> {
     println!("==> building the benchmarks (release)");
     // The agent with the benchmarks, as `release_agent_binary` in tests/src/agent.rs builds
     // it: built alone it would be compiled a second time with other features.
-    cmd::run(cmd::cargo().current_dir(&root).args([
-        "build",
-        "--release",
-        "-p",
-        "balancer-tests",
-        "-p",
-        "balancer-agent",
-        "--bins",
-        "--benches",
-    ]))?;
+    cmd::run(cmd::cargo().current_dir(&root).args(RELEASE_BUILD_ARGS))?;
     cmd::run(
         cmd::cargo()
             .current_dir(&root)
