@@ -140,7 +140,13 @@ pub fn call(socket: &Path, request: &Request) -> Result<Response> {
             _ => anyhow::anyhow!("connecting to {}: {e}", socket.display()),
         }
     })?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    // A drain status waits for a walk of the flow table (about 45 s for the largest), or for
+    // the one already running; anything else is answered at once.
+    let wait = match request {
+        Request::DrainStatus { .. } => Duration::from_secs(180),
+        _ => Duration::from_secs(30),
+    };
+    stream.set_read_timeout(Some(wait))?;
     let mut line = serde_json::to_string(request)?;
     line.push('\n');
     stream.write_all(line.as_bytes())?;

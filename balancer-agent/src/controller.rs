@@ -19,7 +19,7 @@ use crate::{
     affinity::{self, Load, Member, PoolAffinity},
     config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
-    dataplane::Dataplane,
+    dataplane::{Dataplane, FlowCensus},
     dialect::{recent_ttft_ms, Dialect, DialectError, Reading, TtftSeries},
     health::{Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
@@ -170,6 +170,8 @@ pub struct Controller {
     vip_ids: HashMap<String, u32>,
     /// What sharing flows with other gateways did, when `[sync]` is on.
     sync_stats: Option<Arc<sync::Stats>>,
+    /// Drain statuses' counts of open connections, shared between the pollers.
+    census: Arc<FlowCensus>,
 }
 
 impl Controller {
@@ -203,6 +205,7 @@ impl Controller {
         }
         let plan = ids.plan(&config, &weights, now)?;
         dp.apply(&plan)?;
+        let census = Arc::new(FlowCensus::new(dp.flows_id()));
         let mut c = Controller {
             config: Config {
                 pool: Vec::new(),
@@ -213,6 +216,7 @@ impl Controller {
             servers: HashMap::new(),
             applied: HashMap::new(),
             write_failed: false,
+            census,
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
@@ -812,7 +816,7 @@ impl Controller {
         };
         let reading = s.reading.as_ref().filter(|_| scraped_since);
         Ok(DrainQuestion {
-            flows_id: self.dp.flows_id(),
+            census: self.census.clone(),
             id: s.id,
             quiet: dsr.then_some(DSR_QUIET),
             status: DrainStatus {
@@ -1027,19 +1031,20 @@ pub enum Handled {
 
 /// A drain status but for its count of open connections (see [`Controller::drain_status`]).
 pub struct DrainQuestion {
-    flows_id: u32,
+    census: Arc<FlowCensus>,
     id: u32,
     quiet: Option<Duration>,
     status: DrainStatus,
 }
 
 impl DrainQuestion {
-    /// The status, with the connections to the server that the flow table holds open. Walks
-    /// the whole table: call it on a blocking thread, without the controller's lock.
+    /// The status, with the connections to the server that the flow table holds open. Waits
+    /// for a walk of the whole table (shared, see [`FlowCensus`]): call it on a blocking
+    /// thread, without the controller's lock.
     pub fn answer(self) -> Response {
-        match crate::dataplane::live_flows(self.flows_id, &HashSet::from([self.id]), self.quiet) {
-            Ok(live) => Response::DrainStatus(DrainStatus {
-                flows: live.get(&self.id).copied().unwrap_or(0),
+        match self.census.open_on(self.id, self.quiet) {
+            Ok(flows) => Response::DrainStatus(DrainStatus {
+                flows,
                 ..self.status
             }),
             Err(e) => Response::Error {

@@ -6,8 +6,11 @@ use std::{
     ops::ControlFlow,
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
-    sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        PoisonError,
+    },
+    time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -881,19 +884,85 @@ pub fn live_flows(
     ids: &HashSet<u32>,
     quiet: Option<Duration>,
 ) -> Result<HashMap<u32, u64>> {
+    count_live(flows_id, |id| ids.contains(&id), quiet)
+}
+
+/// [`live_flows`] on the servers whose id `counted` takes.
+fn count_live(
+    flows_id: u32,
+    counted: impl Fn(u32) -> bool,
+    quiet: Option<Duration>,
+) -> Result<HashMap<u32, u64>> {
     let now = monotonic_ns();
     let heard = |e: &FlowEntry| {
         quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
     };
     let mut live = HashMap::new();
     map_batch::for_each(flows_id, |_: FlowKey, e: FlowEntry| {
-        if ids.contains(&e.backend_id) && e.live_at(now) && heard(&e) {
+        if counted(e.backend_id) && e.live_at(now) && heard(&e) {
             *live.entry(e.backend_id).or_insert(0) += 1;
         }
         ControlFlow::Continue(())
     })
     .context("walking the flow table")?;
     Ok(live)
+}
+
+/// How long a census of open connections answers drain statuses after its walk ended, at
+/// least: longer when the walk took longer, so that pollers of a table that takes seconds to
+/// walk keep a walker busy half the time at most.
+pub const CENSUS_REUSE: Duration = Duration::from_secs(1);
+
+/// The drain statuses' walks of the flow table, shared: one walk at a time counts every
+/// server's open connections, and a question asked while it runs, or within
+/// [`CENSUS_REUSE`] (or the walk's own length) of its end, takes its counts. However many
+/// `drain --wait` poll, each every 250 ms, the table is walked about once a second, and a
+/// table that takes longer to walk than a poll interval is not walked by every poll at once.
+pub struct FlowCensus {
+    flows_id: u32,
+    /// The last census of each kind (`quiet`), and the lock walkers queue on.
+    last: std::sync::Mutex<Vec<Census>>,
+}
+
+struct Census {
+    quiet: Option<Duration>,
+    ended: Instant,
+    reuse: Duration,
+    live: HashMap<u32, u64>,
+}
+
+impl FlowCensus {
+    pub fn new(flows_id: u32) -> Self {
+        FlowCensus {
+            flows_id,
+            last: Default::default(),
+        }
+    }
+
+    /// The connections open on `id` ([`live_flows`] with `quiet`), from a census no older
+    /// than the question, or than [`CENSUS_REUSE`]. Blocks for a walk: call it on a
+    /// blocking thread, without the controller's lock.
+    pub fn open_on(&self, id: u32, quiet: Option<Duration>) -> Result<u64> {
+        let asked = Instant::now();
+        // Held across the walk: a question asked meanwhile waits for it instead of walking
+        // the table beside it.
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let recent = |c: &&Census| c.quiet == quiet && asked <= c.ended + c.reuse;
+        if let Some(c) = last.iter().find(recent) {
+            return Ok(c.live.get(&id).copied().unwrap_or(0));
+        }
+        let live = count_live(self.flows_id, |_| true, quiet)?;
+        let open = live.get(&id).copied().unwrap_or(0);
+        last.retain(|c| c.quiet != quiet);
+        let ended = Instant::now();
+        last.push(Census {
+            quiet,
+            ended,
+            reuse: CENSUS_REUSE.max(ended - asked),
+            live,
+        });
+        Ok(open)
+    }
 }
 
 /// CLOCK_MONOTONIC_COARSE, the clock of `bpf_ktime_get_coarse_ns`: what flow entries' times

@@ -74,7 +74,7 @@ impl Collector for Snapshot {
         events(
             &mut encoder,
             "xdp_events",
-            "Packets the XDP program saw (event \"packets\"), and each verdict and pass, drop, \
+            "Packets the XDP program saw (event=packets), and each verdict and pass, drop, \
              flow and hint reason, summed over CPUs.",
             &self.counters,
         )?;
@@ -250,5 +250,10 @@ mod tests {
             text.contains("# TYPE balancer_server_weight gauge"),
             "{text}"
         );
+        // OpenMetrics escapes these in HELP text and the encoder writes it as given: none may
+        // appear (strict parsers refuse the whole exposition).
+        for help in lines.iter().filter(|l| l.starts_with("# HELP")) {
+            assert!(!help.contains(['"', '\\']), "{help}");
+        }
     }
 }

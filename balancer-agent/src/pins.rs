@@ -234,6 +234,8 @@ impl Pins {
 /// interfaces it detached and how many maps it unpinned.
 pub fn remove(dir: &Path) -> Result<(Vec<String>, usize)> {
     on_bpffs(dir)?;
+    // As `open` refuses it: what a mount's root holds may be anyone's.
+    not_a_mount(dir)?;
     let held = lock(dir)?;
     let links = dir.join("links");
     let interfaces = entries(&links)?

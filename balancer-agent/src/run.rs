@@ -49,6 +49,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
 
     let config = Config::load(config_path)?;
+    // Before any map is written: with pins, the maps are the running program's, and a start
+    // refused for a typo must leave them as they are.
+    require_interfaces(&config)?;
     // Both listeners before the program is attached: a port that is taken must fail the
     // start, not leave a program attached behind.
     let metrics = match config.agent.metrics_listen {
@@ -151,14 +154,20 @@ pub async fn run(config_path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Every interface the configuration names exists: checked before anything is applied, so
+/// that a typo changes nothing.
+fn require_interfaces(config: &Config) -> Result<()> {
+    for name in &config.agent.interfaces {
+        interface_index(name)?;
+    }
+    Ok(())
+}
+
 /// Applies a new configuration to new flows; established flows keep their backends. With
 /// `[sync]` (`sender`), the key files are read again.
 fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<usize> {
     let mut new = Config::load(path)?;
-    for name in &new.agent.interfaces {
-        // Checked before anything is applied, so that a typo changes nothing.
-        interface_index(name)?;
-    }
+    require_interfaces(&new)?;
     let mut c = lock(ctl);
     let file_shares = new.sync.is_some();
     keep_restart_only(&mut new, c.config())?;

@@ -15,6 +15,7 @@
 //! before (a replay), or this agent's own (a reflection) changes nothing and is counted.
 
 use std::{
+    collections::HashMap,
     net::{IpAddr, SocketAddr},
     ops::ControlFlow,
     os::unix::fs::PermissionsExt,
@@ -571,7 +572,10 @@ pub async fn receive_loop(
     let mut replays = Replays::new(sender.id);
     // Peers whose datagrams are refused since their last good one.
     let mut refusing = std::collections::HashSet::new();
-    let mut greeted = std::collections::HashSet::new();
+    // Per peer: the run it last greeted us from, and our dump of flows to it. A peer that
+    // restarts again gets a new dump and the old one stops, so a peer in a crash loop costs
+    // one walk of the table at a time, not one per start.
+    let mut dumps: HashMap<IpAddr, (u64, tokio::task::JoinHandle<()>)> = HashMap::new();
     loop {
         let (len, from) = match sender.socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -602,10 +606,18 @@ pub async fn receive_loop(
                 let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
-                // Once per agent run that asks (it asks a few times).
-                if batch.hello && greeted.insert(batch.sender) {
-                    info!(peer = %from, "a peer started: sending it our flows");
-                    tokio::spawn(dump(sender.clone(), from, flows_id));
+                // Once per agent run that asks (it asks a few times), to the address the
+                // configuration gives: the source port is not authenticated.
+                let greeted = dumps
+                    .get(&peer)
+                    .is_some_and(|(run, _)| *run == batch.sender);
+                if batch.hello && !greeted {
+                    let to = configured(&sender.peers, from);
+                    info!(peer = %to, "a peer started: sending it our flows");
+                    let task = tokio::spawn(dump(sender.clone(), to, flows_id));
+                    if let Some((_, earlier)) = dumps.insert(peer, (batch.sender, task)) {
+                        earlier.abort();
+                    }
                 }
             }
             Err(why) => {
@@ -619,6 +631,20 @@ pub async fn receive_loop(
             }
         }
     }
+}
+
+/// The configured address of the peer `from` (a datagram's source, accepted by its
+/// address): the one with its port too if there is one, else the first with its address.
+fn configured(peers: &[SocketAddr], from: SocketAddr) -> SocketAddr {
+    let ip = from.ip().to_canonical();
+    let same = |p: &&SocketAddr| p.ip().to_canonical() == ip;
+    peers
+        .iter()
+        .filter(same)
+        .find(|p| p.port() == from.port())
+        .or_else(|| peers.iter().find(same))
+        .copied()
+        .unwrap_or(from)
 }
 
 #[cfg(test)]
@@ -647,6 +673,22 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    #[test]
+    fn dumps_go_to_the_configured_address() {
+        let peers: Vec<SocketAddr> = ["10.0.0.2:7946", "10.0.0.3:7946", "10.0.0.3:7947"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        let at = |a: &str| configured(&peers, a.parse().unwrap()).to_string();
+        // Another source port (forged, or rewritten on the way) does not choose the target.
+        assert_eq!(at("10.0.0.2:40000"), "10.0.0.2:7946");
+        // A dual-stack socket's name for an IPv4 peer.
+        assert_eq!(at("[::ffff:10.0.0.2]:7946"), "10.0.0.2:7946");
+        // Two peers on one host: the one the datagram came from.
+        assert_eq!(at("10.0.0.3:7947"), "10.0.0.3:7947");
+        assert_eq!(at("10.0.0.3:1"), "10.0.0.3:7946");
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //!    over: the DOWN server is still DOWN, the drained one still DRAINING, and each stream's
 //!    server still counts the stream (its id was recovered); it is stopped (SIGTERM),
 //!    which leaves everything attached;
-//! 3. an agent whose configuration does not fit the pinned flow table refuses to start with
-//!    a clear error, changing nothing;
+//! 3. an agent whose configuration does not fit the pinned flow table, or names an
+//!    interface that does not exist, refuses to start with a clear error, changing nothing;
 //! 4. a third agent takes over again, from pins that lack the ring of shared flows (as an
 //!    older build's would); its counters go on from the first agent's, and a second agent
 //!    on the same pins is refused.
@@ -17,7 +17,8 @@
 //! Every stream must end with all its tokens and `[DONE]`, and receive tokens while no
 //! agent runs; no new connection may reach the DOWN or the drained server. Last, an agent
 //! configured without `g1` detaches from it, and `balancer-agent detach` (refused while an
-//! agent runs) removes the pins and the program leaves the gateway's interfaces.
+//! agent runs) removes the pins and the program leaves the gateway's interfaces; it refuses
+//! a `pin_dir` that is the bpffs mount itself, as the agent does.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -223,7 +224,18 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         refused.contains("is not a socket") && std::fs::read_to_string(&precious)? == "keep me",
         "a control_socket naming a file: {refused}"
     );
-    probe(topology, "after the refused start")?;
+    // Nor one naming an interface that does not exist, and it must not get as far as the
+    // pinned maps: its pool moved to another port, written there, would leave the VIP's
+    // port unbalanced for the probes below.
+    let mut mistyped = config.clone();
+    mistyped.agent.interfaces.push("g9".into());
+    mistyped.pools[0].port += 1;
+    let refused = Agent::start_refused(topology, binary, &mistyped)?;
+    ensure!(
+        refused.contains("no interface named \"g9\""),
+        "an unknown interface: {refused}"
+    );
+    probe(topology, "after the refused starts")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
     // of shared flows, the next-hop cache and the interfaces to send out of are unpinned
@@ -265,7 +277,7 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     let total = third.counter("flow_new_syn")?;
     ensure!(
         // The probes since: after the crash, with the second agent, after the stop, after
-        // the refusal, with the third.
+        // the refusals, with the third.
         total >= opened + 5 * PROBES as u64,
         "flow_new_syn went from {opened} to {total}: the counters were not taken over"
     );
@@ -352,6 +364,19 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     ensure!(
         format!("{again:#}").contains("nothing is pinned"),
         "second detach: {again:#}"
+    );
+    // The bpffs mount itself is refused as a place to pin (`run`), and so as one to unpin
+    // everything from: what its root holds may be anyone's.
+    let mut at_root = config.clone();
+    at_root.agent.pin_dir = Some("/sys/fs/bpf".into());
+    let root_path = topology.dir().join("at-root.toml");
+    std::fs::write(&root_path, at_root.to_toml()?)?;
+    let mut cmd = topology.gw().command(binary);
+    cmd.args(["detach", "--config"]).arg(&root_path);
+    let refused = run_cli(&mut cmd).expect_err("detach from the bpffs mount's root");
+    ensure!(
+        format!("{refused:#}").contains("is a mount point"),
+        "detach from the bpffs mount's root: {refused:#}"
     );
     Ok(())
 }

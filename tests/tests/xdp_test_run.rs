@@ -1128,6 +1128,27 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         "{fam} DSR: a flow quiet for longer than DSR_QUIET still counts, or an idle one \
          does not count without it"
     );
+    // Drain statuses share their walks (`FlowCensus`): a question within CENSUS_REUSE of the
+    // last walk takes its count, a later one walks again.
+    let census = balancer_agent::dataplane::FlowCensus::new(h.dp.flows_id());
+    let (quiet_one, census_quiet) = (
+        census.open_on(backend_id, quiet)?,
+        census.open_on(backend_id, None)?,
+    );
+    let kept = entry;
+    entry.closed = 1;
+    h.dp.flow_table().insert(key, entry, 0)?;
+    let reused = census.open_on(backend_id, None)?;
+    std::thread::sleep(
+        balancer_agent::dataplane::CENSUS_REUSE + std::time::Duration::from_millis(100),
+    );
+    let walked = census.open_on(backend_id, None)?;
+    h.dp.flow_table().insert(key, kept, 0)?;
+    ensure!(
+        (quiet_one, census_quiet, reused, live(h, None)?, walked) == (0, 1, 1, 1, 0),
+        "{fam} DSR census: quiet {quiet_one}, then {census_quiet}; closed: {reused} at once, \
+         {walked} after CENSUS_REUSE (expected 0, 1; 1, 0)"
+    );
 
     // Past the egress MTU: answered with the ICMP "too big" from the VIP; an IPv4 packet
     // that may be fragmented is dropped (the stack would route it to the VIP, XDP cannot
