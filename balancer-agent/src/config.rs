@@ -150,6 +150,10 @@ pub struct Pool {
     /// Model named in health-check completions; the server's first model when absent.
     #[serde(default)]
     pub model: Option<String>,
+    /// A file holding the bearer token the servers' API wants (their `--api-key`), sent with
+    /// every health check; read at start and at every reload (`health::api_keys`).
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
     /// Source ports that carry prefix hints, "FIRST-LAST" inclusive, or "off".
     #[serde(default = "default_hint_ports")]
     pub hint_ports: String,
@@ -548,6 +552,12 @@ impl Config {
             }
             if p.model.as_ref().is_some_and(|m| m.is_empty()) {
                 return Err((at("model"), "must not be empty".into()));
+            }
+            if p.api_key_file
+                .as_ref()
+                .is_some_and(|f| f.as_os_str().is_empty())
+            {
+                return Err((at("api_key_file"), "must not be empty".into()));
             }
             parse_hint_range(&p.hint_ports, p.hint_buckets).map_err(|e| (at("hint_ports"), e))?;
             let bound = p.home_load_bound;

@@ -21,7 +21,7 @@ use crate::{
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::{Dataplane, FlowCensus},
     dialect::{recent_ttft_ms, Dialect, DialectError, Reading, TtftSeries},
-    health::{Outcome, Track, Transition, Waited},
+    health::{ApiKey, Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
     sync,
@@ -106,11 +106,13 @@ impl Server {
         }
     }
 
+    /// DOWN before DRAINING: a drained server that fails its checks is shown and exported
+    /// DOWN, where an alert on DOWN sees it; its drain goes on all the same.
     fn state(&self) -> State {
-        if self.draining {
-            State::Draining
-        } else if self.track.down {
+        if self.track.down {
             State::Down
+        } else if self.draining {
+            State::Draining
         } else {
             State::Up
         }
@@ -150,6 +152,8 @@ pub struct ScrapeTarget {
 pub struct HealthTarget {
     pub key: ServerKey,
     pub model: Option<String>,
+    /// The pool's `api_key_file`, read.
+    pub api_key: Option<ApiKey>,
     /// In a pool with direct server return: the server must be on a link of the gateway.
     pub direct: bool,
 }
@@ -172,6 +176,8 @@ pub struct Controller {
     sync_stats: Option<Arc<sync::Stats>>,
     /// Drain statuses' counts of open connections, shared between the pollers.
     census: Arc<FlowCensus>,
+    /// Each pool's API key (`api_key_file`), as read at the start or the last reload.
+    api_keys: HashMap<String, ApiKey>,
 }
 
 impl Controller {
@@ -217,6 +223,7 @@ impl Controller {
             applied: HashMap::new(),
             write_failed: false,
             census,
+            api_keys: HashMap::new(),
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
@@ -673,6 +680,7 @@ impl Controller {
             .map(|(key, s)| HealthTarget {
                 key: key.clone(),
                 model: s.model.clone(),
+                api_key: self.api_keys.get(&key.0).cloned(),
                 direct: dsr.contains(key.0.as_str()),
             })
             .collect()
@@ -785,13 +793,16 @@ impl Controller {
         s.drain_started = on.then(Instant::now);
         info!(pool = %key.0, server = %key.1, "{}", if on { "draining" } else { "drain cancelled" });
         self.refresh(true);
+        let down = self.servers[&key].track.down;
         Ok(format!(
             "{} {}",
             key.1,
-            if on {
-                "is draining: no new connections, established ones finish"
-            } else {
-                "takes new connections again"
+            match (on, down) {
+                (true, _) => "is draining: no new connections, established ones finish",
+                (false, false) => "takes new connections again",
+                (false, true) =>
+                    "is no longer draining, and is DOWN: it takes new connections \
+                                  once its health checks pass",
             }
         ))
     }
@@ -922,6 +933,11 @@ impl Controller {
             .as_ref()
             .map(|s| s.counters())
             .unwrap_or_default()
+    }
+
+    /// The pools' API keys from now on ([`crate::health::api_keys`]).
+    pub fn set_api_keys(&mut self, keys: HashMap<String, ApiKey>) {
+        self.api_keys = keys;
     }
 
     pub fn share_stats(&mut self, stats: Arc<sync::Stats>) {
@@ -1061,14 +1077,17 @@ struct Progress {
     value: f64,
     moved_at: Instant,
     seen_at: Instant,
+    /// The last reading showed nothing running or waiting.
+    idle: bool,
 }
 
 impl Progress {
     /// `last`, after a scrape sent at `at` read `value` from a server `idle` or not. Any
     /// change is a move, a counter that went back (a restart) too; so is a first value, since
-    /// nothing says how long it had stood; and so is an idle reading, since an engine with
-    /// nothing to do makes no progress and is not hung. A dialect without the counter, or a
-    /// server not publishing it, has none.
+    /// nothing says how long it had stood; and so are an idle reading and the first with work
+    /// after one, since an engine with nothing to do makes no progress and is not hung (and
+    /// the work may have come just before this scrape, however long after the idle one). A
+    /// dialect without the counter, or a server not publishing it, has none.
     fn observe(
         last: Option<Progress>,
         value: Option<f64>,
@@ -1077,11 +1096,12 @@ impl Progress {
     ) -> Option<Progress> {
         let value = value?;
         Some(match last {
-            Some(p) if p.value == value && !idle => Progress { seen_at: at, ..p },
+            Some(p) if p.value == value && !idle && !p.idle => Progress { seen_at: at, ..p },
             _ => Progress {
                 value,
                 moved_at: at,
                 seen_at: at,
+                idle,
             },
         })
     }
@@ -1200,11 +1220,14 @@ mod tests {
             assert_eq!(p.still_for(hung_after), Some(s(31)), "{moved}");
         }
         assert_eq!(busy(Some(at_31), None, t0 + s(40)), None);
-        // Idle for an hour, then work: the clock starts at the last idle reading.
+        // Idle for an hour, then work, seen first 40 s later (the scrapes between failed):
+        // the clock starts at the first reading with work, not at the last idle one.
         let idle = Progress::observe(Some(first), Some(100.0), true, t0 + s(3600)).unwrap();
-        let working = busy(Some(idle), Some(100.0), t0 + s(3610)).unwrap();
+        let working = busy(Some(idle), Some(100.0), t0 + s(3640)).unwrap();
         assert_eq!(working.still_for(hung_after), None);
-        let working = busy(Some(working), Some(100.0), t0 + s(3631)).unwrap();
+        let working = busy(Some(working), Some(100.0), t0 + s(3670)).unwrap();
+        assert_eq!(working.still_for(hung_after), None);
+        let working = busy(Some(working), Some(100.0), t0 + s(3671)).unwrap();
         assert_eq!(working.still_for(hung_after), Some(s(31)));
         // Only scrapes count: however late the check, a counter last read a moment after it
         // moved has not been seen standing still.

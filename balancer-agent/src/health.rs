@@ -2,10 +2,13 @@
 //! that answers `/health` but cannot generate is not healthy; a server that is merely busy
 //! is not dead, which is why a failed check on a server with a queue counts as busy.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{collections::HashMap, net::SocketAddr, path::Path, sync::Arc, time::Duration};
 
 use anyhow::{bail, Context, Result};
+use reqwest::RequestBuilder;
 use serde_json::{json, Value};
+
+use crate::config::Config;
 
 /// The result of one check, as the state machine sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,11 +107,9 @@ impl Checker {
     }
 
     /// The first model the server lists, for pools that do not name one.
-    pub async fn discover_model(&self, api: SocketAddr) -> Result<String> {
+    pub async fn discover_model(&self, api: SocketAddr, key: Option<&ApiKey>) -> Result<String> {
         let url = format!("http://{api}/v1/models");
-        let body: Value = self
-            .client
-            .get(&url)
+        let body: Value = authorized(self.client.get(&url), key)
             .send()
             .await
             .and_then(|r| r.error_for_status())
@@ -123,7 +124,7 @@ impl Checker {
     }
 
     /// One completion of one token. Ok when the server generated it.
-    pub async fn check(&self, api: SocketAddr, model: &str) -> Result<()> {
+    pub async fn check(&self, api: SocketAddr, model: &str, key: Option<&ApiKey>) -> Result<()> {
         let url = format!("http://{api}/v1/completions");
         let request = json!({
             "model": model,
@@ -132,9 +133,7 @@ impl Checker {
             "temperature": 0,
             "stream": false,
         });
-        let response = self
-            .client
-            .post(&url)
+        let response = authorized(self.client.post(&url), key)
             .json(&request)
             .send()
             .await
@@ -159,9 +158,84 @@ impl Checker {
     }
 }
 
+fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
+    match key {
+        Some(key) => request.bearer_auth(&key.0),
+        None => request,
+    }
+}
+
+/// The bearer token a pool's servers want on their API (`api_key_file`; vLLM's, SGLang's
+/// and llama-server's `--api-key`), sent with its health checks. Never printed.
+#[derive(Clone, PartialEq)]
+pub struct ApiKey(Arc<str>);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(hidden)")
+    }
+}
+
+impl ApiKey {
+    /// The key in `path`: its text, less surrounding whitespace, printable ASCII (it goes
+    /// into an HTTP header).
+    pub fn load(path: &Path) -> Result<ApiKey> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let key = text.trim();
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            bail!(
+                "{} holds no key (one line of printable ASCII without spaces)",
+                path.display()
+            );
+        }
+        Ok(ApiKey(key.into()))
+    }
+}
+
+/// Every pool's API key, by pool name, read from the files the configuration names: what
+/// `run` and every reload use, and what `check` tries.
+pub fn api_keys(config: &Config) -> Result<HashMap<String, ApiKey>> {
+    let mut keys = HashMap::new();
+    for pool in &config.pool {
+        if let Some(file) = &pool.api_key_file {
+            let key =
+                ApiKey::load(file).with_context(|| format!("pool {}: api_key_file", pool.name))?;
+            keys.insert(pool.name.clone(), key);
+        }
+    }
+    Ok(keys)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn api_keys_are_one_printable_word_and_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let key = ApiKey::load(&file("good", "  sk-abc123\n")).unwrap();
+        assert_eq!(&*key.0, "sk-abc123");
+        assert_eq!(format!("{key:?}"), "ApiKey(hidden)");
+        for (name, text) in [
+            ("empty", "\n"),
+            ("two words", "sk-a sk-b"),
+            ("control", "sk\x07"),
+        ] {
+            let err = ApiKey::load(&file(name, text)).unwrap_err();
+            assert!(
+                format!("{err:#}").contains("holds no key"),
+                "{name}: {err:#}"
+            );
+        }
+        let missing = ApiKey::load(&dir.path().join("missing")).unwrap_err();
+        assert!(format!("{missing:#}").contains("reading"), "{missing:#}");
+    }
 
     #[test]
     fn fall_and_rise_need_consecutive_results() {

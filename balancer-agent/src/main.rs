@@ -180,10 +180,11 @@ fn execute(command: Command) -> Result<()> {
         }
         Command::Check { config } => {
             let c = Config::load(&config)?;
+            // What `run` would fail on, without starting.
             if let Some(s) = &c.sync {
-                // What `run` would fail on, without starting.
                 balancer_agent::sync::Keys::load(s)?;
             }
+            balancer_agent::health::api_keys(&c)?;
             println!("{}: ok", config.display());
             if let Some(s) = &c.sync {
                 let peers: Vec<String> = s.peers.iter().map(ToString::to_string).collect();

@@ -27,7 +27,7 @@ use crate::{
     controller::{Controller, Handled},
     dataplane::{interface_index, Dataplane},
     exporter,
-    health::{Checker, Waited},
+    health::{self, Checker, Waited},
     pins::Pins,
     route::{NotDirect, Routes},
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
@@ -52,6 +52,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     // Before any map is written: with pins, the maps are the running program's, and a start
     // refused for a typo must leave them as they are.
     require_interfaces(&config)?;
+    let api_keys = health::api_keys(&config)?;
     // Both listeners before the program is attached: a port that is taken must fail the
     // start, not leave a program attached behind.
     let metrics = match config.agent.metrics_listen {
@@ -82,7 +83,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let dp = Dataplane::load(entries, pins)?;
     let interfaces = config.agent.interfaces.clone();
     // Maps first: a program attached to empty maps would pass VIP traffic to the stack.
-    let ctl = Arc::new(Mutex::new(Controller::new(config.clone(), dp)?));
+    let mut controller = Controller::new(config.clone(), dp)?;
+    controller.set_api_keys(api_keys);
+    let ctl = Arc::new(Mutex::new(controller));
     let attached = {
         let mut c = lock(&ctl);
         let dp = c.dataplane();
@@ -168,6 +171,7 @@ fn require_interfaces(config: &Config) -> Result<()> {
 fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<usize> {
     let mut new = Config::load(path)?;
     require_interfaces(&new)?;
+    let api_keys = health::api_keys(&new)?;
     let mut c = lock(ctl);
     let file_shares = new.sync.is_some();
     keep_restart_only(&mut new, c.config())?;
@@ -212,6 +216,7 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
     if let Some((sender, keys)) = keys {
         sender.set_keys(keys);
     }
+    c.set_api_keys(api_keys);
     Ok(pools)
 }
 
@@ -335,11 +340,12 @@ async fn health_loop(ctl: Shared, routes: Routes) {
                                     Ok(()) => {}
                                 }
                             }
+                            let key = t.api_key.as_ref();
                             let model = match t.model {
                                 Some(m) => m,
-                                None => checker.discover_model(api).await?,
+                                None => checker.discover_model(api, key).await?,
                             };
-                            checker.check(api, &model).await?;
+                            checker.check(api, &model, key).await?;
                             Ok::<_, anyhow::Error>(model)
                         };
                         // The whole check, model discovery included, within the timeout.

@@ -84,6 +84,9 @@ pub struct Pool {
     pub dialect: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// A file holding the servers' API key, sent with the health checks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key_file: Option<PathBuf>,
     /// Requests each server runs at once: a bucket's home takes this many hinted
     /// connections before it spills (learned from the highest running count when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -119,6 +122,7 @@ impl AgentConfig {
             kv_high: None,
             dialect: None,
             model: None,
+            api_key_file: None,
             slots: None,
             hint_ports: None,
             hint_buckets: None,

@@ -70,6 +70,10 @@ fn control_loop_end_to_end() {
             queue_takes_the_weight_to_zero,
         ),
         ("2. a killed server goes DOWN", killed_server_goes_down),
+        (
+            "2c. a server that wants an API key",
+            api_key_servers_need_the_key,
+        ),
         ("3. a busy server stays UP", busy_servers_stay_up),
         ("3b. a hung server goes DOWN", hung_servers_go_down),
         ("4. drain under load", drain_under_load),
@@ -82,6 +86,44 @@ fn control_loop_end_to_end() {
             bad_configs_and_bad_metrics,
         ),
     ]);
+}
+
+/// Scenario 2c. b2 restarted with an API key (`--api-key`, as vLLM's): its checks are
+/// refused (401), though its metrics still scrape, and it goes DOWN; with the key in the
+/// pool's `api_key_file`, reloaded, it comes back UP, and the others, which want none, stay
+/// UP with the key sent to them too.
+fn api_key_servers_need_the_key(bed: &mut Bed) -> Result<()> {
+    const VICTIM: usize = 1;
+    const KEY: &str = "sk-sim-2c";
+    let name = backend_name(VICTIM);
+    let mut args = baseline_args(VICTIM);
+    args.extend(["--api-key".into(), KEY.into()]);
+    bed.sims.restart(VICTIM, &args)?;
+    let (shown, _) = bed.wait_show(
+        &format!("{name} DOWN without the key"),
+        Duration::from_secs(10),
+        |pool| Ok(row(pool, VICTIM)?.state == "DOWN"),
+    )?;
+    let victim = row(&shown, VICTIM)?;
+    println!("{name} wants a key: DOWN, health: {}", victim.health);
+    ensure!(
+        victim.health.contains("401") && victim.scrape_error.is_none(),
+        "{name} without the key: health {:?}, scrape error {:?}",
+        victim.health,
+        victim.scrape_error
+    );
+    let key_file = bed.topology.dir().join("api.key");
+    std::fs::write(&key_file, format!("{KEY}\n"))?;
+    let mut keyed = bed.config.clone();
+    keyed.pools[0].api_key_file = Some(key_file);
+    bed.agent.reload(&keyed)?;
+    bed.wait_show(
+        "every server UP with the key",
+        Duration::from_secs(10),
+        |pool| Ok((0..BACKENDS).all(|i| row(pool, i).is_ok_and(|r| r.state == "UP"))),
+    )?;
+    println!("with the key: every server UP");
+    Ok(())
 }
 
 /// Scenario 2 as a crash under load: the server dies while it queues.
@@ -576,6 +618,15 @@ fn killed_server_goes_down(bed: &mut Bed) -> Result<()> {
     ensure!(
         count(&counts, VICTIM) == 0,
         "{name} answered while dead? {counts:?}"
+    );
+    // Drained while DOWN, it is still shown DOWN (where an alert on DOWN sees it), and
+    // undrained, it is not said to take connections.
+    bed.agent.cli(&["drain", POOL, &addr])?;
+    let state = row(&bed.show()?, VICTIM)?.state.clone();
+    let undrained = bed.agent.cli(&["undrain", POOL, &addr])?;
+    ensure!(
+        state == "DOWN" && undrained.contains("is DOWN"),
+        "{name} DOWN and drained: shown {state}; undrain said {undrained:?}"
     );
 
     // Back under another model name: the pool names none, so the agent asks the server

@@ -365,10 +365,10 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         format!("{again:#}").contains("nothing is pinned"),
         "second detach: {again:#}"
     );
-    // The bpffs mount itself is refused as a place to pin (`run`), and so as one to unpin
-    // everything from: what its root holds may be anyone's.
+    // The bpffs mount itself (the pins' parent here) is refused as a place to pin (`run`),
+    // and so as one to unpin everything from: what its root holds may be anyone's.
     let mut at_root = config.clone();
-    at_root.agent.pin_dir = Some("/sys/fs/bpf".into());
+    at_root.agent.pin_dir = pins.parent().map(Path::to_owned);
     let root_path = topology.dir().join("at-root.toml");
     std::fs::write(&root_path, at_root.to_toml()?)?;
     let mut cmd = topology.gw().command(binary);

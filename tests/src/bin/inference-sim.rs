@@ -68,6 +68,9 @@ struct Args {
     /// Seed of the generated text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// The `/v1` routes answer 401 without `Authorization: Bearer KEY` (vLLM's --api-key).
+    #[arg(long)]
+    api_key: Option<String>,
     /// A fault in force from the start: KIND[:KEY=VALUE,...]; repeat for several.
     #[arg(long = "fault", value_parser = Fault::parse_cli)]
     faults: Vec<Fault>,
@@ -94,7 +97,13 @@ async fn main() -> anyhow::Result<()> {
         .name
         .map(|name| HeaderValue::try_from(name).context("--name: not a valid header value"))
         .transpose()?;
-    let app = App::new(Sim::start(engine), args.dialect, args.model, name);
+    let app = App::new(
+        Sim::start(engine),
+        args.dialect,
+        args.model,
+        name,
+        args.api_key,
+    );
     for fault in args.faults {
         app.apply(fault);
     }

@@ -12,6 +12,10 @@
 //!
 //! With a name (`--name`), every API response carries it in an `x-backend` header, so that a
 //! test behind a load balancer can tell which server answered.
+//!
+//! With a key (`--api-key`), the `/v1` routes answer 401 to a request without
+//! `Authorization: Bearer KEY`, as vLLM's, SGLang's and llama-server's `--api-key` do; the
+//! exposition and `/health` stay open.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,13 +46,22 @@ pub struct App {
     identity: Identity,
     /// The `x-backend` header of every API response.
     name: Option<HeaderValue>,
+    /// `Bearer KEY`, which the `/v1` routes require when set.
+    bearer: Option<String>,
     faults: Mutex<Faults>,
     next_id: AtomicU64,
 }
 
 impl App {
-    pub fn new(sim: Sim, dialect: Dialect, model: String, name: Option<HeaderValue>) -> Arc<Self> {
+    pub fn new(
+        sim: Sim,
+        dialect: Dialect,
+        model: String,
+        name: Option<HeaderValue>,
+        api_key: Option<String>,
+    ) -> Arc<Self> {
         Arc::new(Self {
+            bearer: api_key.map(|k| format!("Bearer {k}")),
             sim,
             dialect,
             identity: Identity {
@@ -93,6 +106,7 @@ pub fn api_router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .layer(middleware::from_fn_with_state(app.clone(), authorized))
         .route("/health", get(health))
         .layer(middleware::from_fn_with_state(app.clone(), status_fault))
         // The exposition is outside the fault layer: status faults are the API's.
@@ -104,6 +118,19 @@ pub fn api_router(app: Arc<App>) -> Router {
             name_header,
         ))
         .with_state(app)
+}
+
+/// With `--api-key`, the `/v1` routes only for the key's bearer.
+async fn authorized(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
+    let given = request.headers().get(header::AUTHORIZATION);
+    match &app.bearer {
+        Some(bearer) if given.is_none_or(|g| g.as_bytes() != bearer.as_bytes()) => error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "a valid API key is required (Authorization: Bearer)",
+        ),
+        _ => next.run(request).await,
+    }
 }
 
 async fn name_header(State(app): State<Arc<App>>, mut response: Response) -> Response {
