@@ -178,6 +178,9 @@ pub struct Controller {
     census: Arc<FlowCensus>,
     /// Each pool's API key (`api_key_file`), as read at the start or the last reload.
     api_keys: HashMap<String, ApiKey>,
+    /// Flow-table entries the sweeps deleted (`sweep.rs`): of connections that ended, and of
+    /// handshakes never completed.
+    reclaimed: [u64; 2],
 }
 
 impl Controller {
@@ -224,6 +227,7 @@ impl Controller {
             write_failed: false,
             census,
             api_keys: HashMap::new(),
+            reclaimed: [0; 2],
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
@@ -935,6 +939,22 @@ impl Controller {
             .unwrap_or_default()
     }
 
+    /// Takes what a sweep of the flow table deleted: the closes of the handshakes that never
+    /// completed are counted, as the program counts a connection's close.
+    pub fn reclaimed(&mut self, swept: &crate::sweep::Swept) {
+        self.dp.count_closes(&swept.unanswered);
+        self.reclaimed[0] += swept.ended;
+        self.reclaimed[1] += swept.unanswered_total();
+    }
+
+    /// The sweeps' counts, by name.
+    pub fn reclaimed_counters(&self) -> Vec<(String, u64)> {
+        vec![
+            ("flows_reclaimed_ended".into(), self.reclaimed[0]),
+            ("flows_reclaimed_unanswered".into(), self.reclaimed[1]),
+        ]
+    }
+
     /// The pools' API keys from now on ([`crate::health::api_keys`]).
     pub fn set_api_keys(&mut self, keys: HashMap<String, ApiKey>) {
         self.api_keys = keys;
@@ -988,6 +1008,7 @@ impl Controller {
     pub fn snapshot(&self) -> crate::exporter::Snapshot {
         crate::exporter::Snapshot {
             counters: self.counters().unwrap_or_default(),
+            reclaimed: self.reclaimed_counters(),
             sync: self.sync_counters(),
             pools: self
                 .config
@@ -1014,6 +1035,7 @@ impl Controller {
                 Err(e) => Err(e),
             },
             Counters => self.counters().map(|mut counters| {
+                counters.extend(self.reclaimed_counters());
                 counters.extend(self.sync_counters());
                 Response::Counters { counters }
             }),

@@ -840,6 +840,17 @@ impl Dataplane {
         adopted
     }
 
+    /// Counts the closes of connections that will never be seen closing, `n` per backend id
+    /// (handshakes that never completed, whose entries the sweep deleted): as
+    /// [`Dataplane::count_close`] does.
+    pub fn count_closes(&mut self, closes: &HashMap<u32, u64>) {
+        for (&id, &n) in closes {
+            for _ in 0..n {
+                self.count_close(id);
+            }
+        }
+    }
+
     /// Counts the close of a connection to `id` that this gateway opened and will not see
     /// close: where the program would have (`CLOSES`, for the spill room), and in the
     /// agent's own count, added to the program's in [`Dataplane::backend_stats`].

@@ -19,6 +19,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 pub struct Snapshot {
     /// The program's counters, by name (`Counter::name`), summed over CPUs.
     pub counters: Vec<(String, u64)>,
+    /// Flow-table entries the sweeps deleted (`sweep.rs`), by name.
+    pub reclaimed: Vec<(String, u64)>,
     /// Flows shared with other gateways (`sync.rs`), by name; empty without `[sync]`.
     pub sync: Vec<(String, u64)>,
     pub pools: Vec<PoolView>,
@@ -77,6 +79,14 @@ impl Collector for Snapshot {
             "Packets the XDP program saw (event=packets), and each verdict and pass, drop, \
              flow and hint reason, summed over CPUs.",
             &self.counters,
+        )?;
+        events(
+            &mut encoder,
+            "agent_events",
+            "Flow-table entries the agent deleted once quiet for 10 s: of connections that \
+             ended (flows_reclaimed_ended) and of handshakes never completed \
+             (flows_reclaimed_unanswered).",
+            &self.reclaimed,
         )?;
         if !self.sync.is_empty() {
             events(
@@ -195,6 +205,7 @@ mod tests {
     fn exposition_reads_back_as_the_snapshot() {
         let snapshot = Snapshot {
             counters: vec![("packets".into(), 12), ("flow_new_syn".into(), 3)],
+            reclaimed: vec![("flows_reclaimed_ended".into(), 5)],
             sync: vec![("sync_sent".into(), 7)],
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
@@ -226,6 +237,7 @@ mod tests {
         };
         assert_eq!(value("balancer_xdp_events_total", None), [12.0, 3.0]);
         assert_eq!(value("balancer_sync_events_total", None), [7.0]);
+        assert_eq!(value("balancer_agent_events_total", None), [5.0]);
         assert_eq!(
             value("balancer_server_running", Some("10.4.0.11:8000")),
             [3.0]

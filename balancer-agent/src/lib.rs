@@ -18,4 +18,5 @@ pub mod policy;
 pub mod route;
 pub mod run;
 pub mod scrape;
+pub mod sweep;
 pub mod sync;

@@ -19,7 +19,7 @@ use tokio::{
     task::spawn_blocking,
     time::{sleep, timeout, Instant},
 };
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::{
     config::{Config, Pool, MIN_SYNC_IDLE_TIMEOUT_S},
@@ -31,7 +31,7 @@ use crate::{
     pins::Pins,
     route::{NotDirect, Routes},
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
-    sync,
+    sweep, sync,
 };
 
 type Shared = Arc<Mutex<Controller>>;
@@ -103,7 +103,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
         "ready"
     );
 
+    let flows_id = lock(&ctl).dataplane().flows_id();
     let mut tasks = vec![
+        tokio::spawn(sweep_loop(ctl.clone(), flows_id)),
         tokio::spawn(scrape_loop(ctl.clone())),
         tokio::spawn(fold_loop(ctl.clone())),
         tokio::spawn(health_loop(ctl.clone(), routes)),
@@ -434,6 +436,30 @@ async fn export(listener: TcpListener, ctl: Shared) {
     );
     if let Err(e) = axum::serve(listener, app).await {
         warn!("metrics endpoint stopped: {e}");
+    }
+}
+
+/// Deletes the flow table's ended and unanswered entries once quiet (`sweep.rs`), on a
+/// blocking thread and without the controller's lock but to count what it deleted.
+async fn sweep_loop(ctl: Shared, flows_id: u32) {
+    let mut failing = false;
+    loop {
+        let started = std::time::Instant::now();
+        match spawn_blocking(move || sweep::sweep(flows_id, sweep::QUIET)).await {
+            Ok(Ok(swept)) => {
+                failing = false;
+                debug!(ended = swept.ended, unanswered = swept.unanswered_total(), took = ?started.elapsed(), "flow table swept");
+                lock(&ctl).reclaimed(&swept);
+            }
+            // Once per failing streak: it is tried again at every sweep.
+            Ok(Err(e)) if !failing => {
+                failing = true;
+                warn!("sweeping the flow table failed, retrying: {e:#}");
+            }
+            Ok(Err(_)) => {}
+            Err(e) => warn!("sweeping the flow table: {e}"),
+        }
+        tokio::time::sleep(sweep::pause(started.elapsed())).await;
     }
 }
 

@@ -490,6 +490,80 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
     })
 }
 
+/// The sweep (`sweep.rs`) deletes the entries of connections that ended and of handshakes
+/// never acknowledged once they are quiet for `QUIET`, and counts the unanswered ones closed
+/// on their backend; it keeps every open connection's however quiet, and recent ones.
+#[test]
+fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
+    in_topology(|| {
+        use balancer_agent::{dataplane::monotonic_ns, sweep};
+        use balancer_common::{FlowEntry, FlowKey};
+
+        let mut h = Harness::new()?;
+        let now = monotonic_ns();
+        let quiet = now.saturating_sub(sweep::QUIET.as_nanos() as u64 + 2_000_000_000);
+        let recent = now.saturating_sub(1_000_000_000);
+        ensure!(
+            quiet > 0,
+            "the machine has not been up for {:?}",
+            sweep::QUIET
+        );
+        // (what, closed, acked, close_claim, last seen, reclaimed)
+        let cases = [
+            ("ended, quiet", 1, 1, 1, quiet, true),
+            ("unanswered, quiet", 0, 0, 0, quiet, true),
+            ("open, quiet", 0, 1, 0, quiet, false),
+            ("ended, recent", 1, 1, 1, recent, false),
+            ("unanswered, recent", 0, 0, 0, recent, false),
+        ];
+        const BACKEND: u32 = 3;
+        let key = |i: usize| FlowKey {
+            src: [u32::from_be_bytes([172, 16, 9, i as u8]), 0, 0, 0],
+            dst: [u32::from_be_bytes([192, 0, 2, 60]), 0, 0, 0],
+            sport: 40000u16.to_be(),
+            dport: 8000u16.to_be(),
+            proto: balancer_common::IPPROTO_TCP,
+            family: balancer_common::FAMILY_V4,
+            _pad: [0; 2],
+        };
+        for (i, &(_, closed, acked, close_claim, last_seen_ns, _)) in cases.iter().enumerate() {
+            let entry = FlowEntry {
+                backend_id: BACKEND,
+                idle_timeout_s: 600,
+                closed,
+                acked,
+                close_claim,
+                last_seen_ns,
+                ..Default::default()
+            };
+            h.dp.flow_table().insert(key(i), entry, 0)?;
+        }
+        let closed_before = h.dp.backend_stats(BACKEND)?.flows_closed;
+        let swept = sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
+        ensure!(
+            swept.ended == 1 && swept.unanswered == [(BACKEND, 1)].into(),
+            "swept {swept:?}"
+        );
+        for (i, &(what, .., reclaimed)) in cases.iter().enumerate() {
+            let kept = h.dp.flow_table().get(&key(i), 0).is_ok();
+            ensure!(kept != reclaimed, "{what}: kept {kept}");
+        }
+        // Counted closed where the spill room and `show` look, once.
+        h.dp.count_closes(&swept.unanswered);
+        let closed = h.dp.backend_stats(BACKEND)?.flows_closed - closed_before;
+        ensure!(
+            closed == 1,
+            "{closed} closes counted for one unanswered handshake"
+        );
+        let again = sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
+        ensure!(
+            again == Default::default(),
+            "a second sweep found {again:?}"
+        );
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry

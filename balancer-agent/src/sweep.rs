@@ -1,0 +1,89 @@
+//! Reclaiming the flow table. A connection's entry stays after its FIN or RST (its last
+//! packets still need translating), and so does a handshake's that never completed; the LRU
+//! evicts only when it is full, and by recency. At a high rate of new connections the
+//! entries of ended ones, touched last, would push out those of open connections that were
+//! quiet for a while (a long generation that is not streamed sends nothing for minutes), whose
+//! packets then go untranslated or to another server. The agent deletes such entries once
+//! they have been quiet for [`QUIET`], so that new connections take their place rather than a
+//! live one's.
+
+use std::{collections::HashMap, time::Duration};
+
+use anyhow::{Context, Result};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use balancer_common::{FlowEntry, FlowKey};
+
+use crate::{dataplane::monotonic_ns, map_batch};
+
+/// How long an ended connection's or an unanswered handshake's entry is kept after its last
+/// packet: longer than a retransmitted FIN or SYN takes (a client's third SYN comes 3 s after
+/// its first).
+pub const QUIET: Duration = Duration::from_secs(10);
+
+/// A sweep every `EVERY`, or 20 times as long as the last one took if that is longer: a
+/// table that takes a while to walk costs 5% of a core at most.
+const EVERY: Duration = Duration::from_secs(5);
+
+/// What one sweep deleted.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Entries of connections that ended (a FIN or RST seen).
+    pub ended: u64,
+    /// Entries of handshakes that never completed, per backend id, whose close no one had
+    /// counted: the program counted them opened, so the agent counts them closed.
+    pub unanswered: HashMap<u32, u64>,
+}
+
+impl Swept {
+    pub fn unanswered_total(&self) -> u64 {
+        self.unanswered.values().sum()
+    }
+}
+
+/// When to sweep again after a sweep that took `took`.
+pub fn pause(took: Duration) -> Duration {
+    EVERY.max(took * 20)
+}
+
+/// Deletes from the flow table with map id `flows_id` the entries quiet for longer than
+/// `quiet` that ended or never had their handshake acknowledged. Walks the whole table (in
+/// batches) and then deletes one entry a system call: run it on a blocking thread, without
+/// the controller's lock.
+pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
+    let now = monotonic_ns();
+    let quiet = quiet.as_nanos() as u64;
+    let reclaimable = |e: &FlowEntry| {
+        (e.closed != 0 || e.acked == 0) && now.saturating_sub(e.last_seen_ns) > quiet
+    };
+    let mut found = Vec::new();
+    map_batch::for_each(flows_id, |key: FlowKey, entry: FlowEntry| {
+        if reclaimable(&entry) {
+            found.push(key);
+        }
+        std::ops::ControlFlow::Continue(())
+    })
+    .context("walking the flow table")?;
+    let mut swept = Swept::default();
+    if found.is_empty() {
+        return Ok(swept);
+    }
+    let map = MapData::from_id(flows_id).context("opening the flow table")?;
+    let mut flows: BpfHashMap<MapData, FlowKey, FlowEntry> =
+        BpfHashMap::try_from(Map::LruHashMap(map)).context("opening the flow table")?;
+    for key in found {
+        // Looked at again just before: since the walk, a SYN may have placed a new connection
+        // on the same tuple, or a packet revived a handshake.
+        let Ok(entry) = flows.get(&key, 0) else {
+            continue;
+        };
+        if !reclaimable(&entry) || flows.remove(&key).is_err() {
+            continue;
+        }
+        if entry.closed != 0 {
+            swept.ended += 1;
+        } else if entry.close_claim == 0 {
+            *swept.unanswered.entry(entry.backend_id).or_default() += 1;
+        }
+    }
+    Ok(swept)
+}
