@@ -109,14 +109,14 @@ impl Checker {
     /// The first model the server lists, for pools that do not name one.
     pub async fn discover_model(&self, api: SocketAddr, key: Option<&ApiKey>) -> Result<String> {
         let url = format!("http://{api}/v1/models");
-        let body: Value = authorized(self.client.get(&url), key)
+        let response = authorized(self.client.get(&url), key)
             .send()
             .await
             .and_then(|r| r.error_for_status())
-            .with_context(|| format!("GET {url}"))?
-            .json()
+            .with_context(|| format!("GET {url}"))?;
+        let body = json_body(response)
             .await
-            .with_context(|| format!("GET {url}: not JSON"))?;
+            .with_context(|| format!("GET {url}"))?;
         match body["data"][0]["id"].as_str() {
             Some(id) if !id.is_empty() => Ok(id.to_owned()),
             _ => bail!("GET {url}: no model listed"),
@@ -147,15 +147,31 @@ impl Checker {
         if !status.is_success() {
             bail!("POST {url}: HTTP {status}");
         }
-        let body: Value = response
-            .json()
+        let body = json_body(response)
             .await
-            .with_context(|| format!("POST {url}: not JSON"))?;
+            .with_context(|| format!("POST {url}"))?;
         if body["choices"].as_array().is_none_or(|c| c.is_empty()) {
             bail!("POST {url}: no choices in the answer");
         }
         Ok(())
     }
+}
+
+/// The most of an answer a check reads: a one-token completion or a list of models is a
+/// few KB, and a server (or a proxy in front of it) that streams on regardless must not cost
+/// the agent memory for the whole timeout, for every server at once.
+const MAX_ANSWER_BYTES: usize = 256 << 10;
+
+/// `response`'s body as JSON, read up to [`MAX_ANSWER_BYTES`].
+async fn json_body(mut response: reqwest::Response) -> Result<Value> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.context("reading the answer")? {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            bail!("an answer longer than {MAX_ANSWER_BYTES} bytes");
+        }
+        body.extend_from_slice(&chunk);
+    }
+    serde_json::from_slice(&body).context("not JSON")
 }
 
 fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
@@ -210,6 +226,39 @@ pub fn api_keys(config: &Config) -> Result<HashMap<String, ApiKey>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server on loopback that answers `/v1/completions` with `answer`.
+    async fn serve(answer: axum::routing::MethodRouter) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = axum::Router::new().route("/v1/completions", answer);
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        addr
+    }
+
+    #[tokio::test]
+    async fn checks_send_the_key_and_read_a_bounded_answer() {
+        use axum::{http::HeaderMap, http::StatusCode, routing::post};
+        const ONE_TOKEN: &str = r#"{"choices":[{"text":"Hi"}]}"#;
+        let keyed = serve(post(|headers: HeaderMap| async move {
+            match headers.get("authorization") {
+                Some(v) if v == "Bearer sk-1" => (StatusCode::OK, ONE_TOKEN),
+                _ => (StatusCode::UNAUTHORIZED, "{}"),
+            }
+        }))
+        .await;
+        let endless = serve(post(|| async {
+            format!(r#"{{"choices":[{{"text":"{}"}}]}}"#, "x".repeat(1 << 20))
+        }))
+        .await;
+        let checker = Checker::new(Duration::from_secs(5)).unwrap();
+        let key = ApiKey("sk-1".into());
+        checker.check(keyed, "m", Some(&key)).await.unwrap();
+        let refused = checker.check(keyed, "m", None).await.unwrap_err();
+        assert!(format!("{refused:#}").contains("401"), "{refused:#}");
+        let long = checker.check(endless, "m", None).await.unwrap_err();
+        assert!(format!("{long:#}").contains("longer than"), "{long:#}");
+    }
 
     #[test]
     fn api_keys_are_one_printable_word_and_never_printed() {

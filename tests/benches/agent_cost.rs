@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo};
-use balancer_agent::dataplane::live_flows;
+use balancer_agent::dataplane::{live_flows, monotonic_ns};
 use balancer_common::{FlowEntry, FlowKey, FAMILY_V4, IPPROTO_TCP};
 use balancer_tests::agent::{release_agent_binary, ShownPool};
 use balancer_tests::bench::{cpu_seconds, fmt, quick_flag, status_kib, Report};
@@ -439,11 +439,15 @@ fn fill_flows(id: u32, n: u32) -> Result<()> {
             family: FAMILY_V4,
             _pad: [0; 2],
         };
+        // Open connections, heard from now: the agent's sweep deletes only ended and
+        // unanswered ones (and the drain status counts only open ones).
         let entry = FlowEntry {
             nat_addr: [u32::from_ne_bytes([10, 5, 0, 1]), 0, 0, 0],
             nat_port: 8000u16.to_be(),
             backend_id: 1,
             idle_timeout_s: 600,
+            acked: 1,
+            last_seen_ns: monotonic_ns(),
             ..Default::default()
         };
         table
