@@ -206,6 +206,14 @@ impl PoolAffinity {
         }
     }
 
+    /// Bucket `bucket`'s candidates did not reach the map: the next update writes them
+    /// again, whether or not they changed.
+    pub fn unwritten(&mut self, bucket: u16) {
+        if let Some(state) = self.buckets.get_mut(usize::from(bucket)) {
+            state.written = None;
+        }
+    }
+
     /// Takes the candidates an earlier agent left in the pinned maps (`written`, and the
     /// statistics so far, per bucket) as its own: homes stay where the prefixes are cached
     /// and the alternates stay warm, instead of every bucket starting again from its
@@ -469,6 +477,10 @@ pub(crate) mod tests {
         for (b, w) in written.iter().enumerate() {
             assert_eq!(a.homes()[b], w.ids[0]);
         }
+        // A write that failed is done again at the next update, and only that one.
+        a.unwritten(3);
+        let update = a.update(later, &m, &loads, &stats, idle, 1.25);
+        assert_eq!(update.write, [(3, written[3])]);
         // Without adoption every bucket would be back on its rendezvous home, as the quiet
         // ones are once popularity has forgotten.
         let mut fresh = PoolAffinity::new(range);

@@ -662,8 +662,13 @@ impl Controller {
             }
             for (bucket, candidates) in &update.write {
                 if let Err(e) = self.dp.set_bucket(vip_id, *bucket, candidates) {
+                    // Written again at the next fold, or the bucket would keep candidates
+                    // that may have gone DOWN until they changed again.
+                    if let Some(a) = self.affinity.get_mut(&pool.name) {
+                        a.unwritten(*bucket);
+                    }
                     warn!(
-                        "writing bucket {bucket} of pool {} failed: {e:#}",
+                        "writing bucket {bucket} of pool {} failed, retrying at the next fold: {e:#}",
                         pool.name
                     );
                 }

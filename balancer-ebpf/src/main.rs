@@ -400,8 +400,11 @@ fn new_flow(
     }
     if FLOWS.insert(pkt.key, entry, 0).is_err() {
         // Forwarded, but not a flow: no entry will count its close, so its open is not
-        // counted either, and its next packet is placed anew.
+        // counted either, and its next packet is placed anew. An entry this one was to
+        // replace (closed, idle, or naming a DOWN server) goes too, or that packet would
+        // follow it to its old server.
         count(Counter::FlowInsertFailed);
+        let _ = FLOWS.remove(&pkt.key);
         return Ok((id, backend.addr, backend.port, hop));
     }
     count(if syn {
