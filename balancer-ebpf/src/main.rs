@@ -404,6 +404,8 @@ fn new_flow(
         // replace (closed, idle, or naming a DOWN server) goes too, or that packet would
         // follow it to its old server.
         count(Counter::FlowInsertFailed);
+        // By reference, as below.
+        #[allow(clippy::needless_borrows_for_generic_args)]
         let _ = FLOWS.remove(&pkt.key);
         return Ok((id, backend.addr, backend.port, hop));
     }
