@@ -540,6 +540,10 @@ pub enum Counter {
     /// A flow's open (its first acknowledgment after the SYN) that was not reported to the
     /// other gateways at once, for the same reason.
     SyncOpenLimited,
+    /// An ICMP error about a flow's reply ("fragmentation needed", "packet too big",
+    /// "destination unreachable"), sent to the VIP by a router on the client's side: sent on
+    /// to the flow's backend, translated back as the reply was before (`icmp_errors.rs`).
+    IcmpToBackend,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -548,7 +552,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::SyncOpenLimited as u32 + 1;
+    pub const COUNT: u32 = Counter::IcmpToBackend as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -594,6 +598,7 @@ impl Counter {
         Counter::DropTooBigLimited,
         Counter::SyncGuessLimited,
         Counter::SyncOpenLimited,
+        Counter::IcmpToBackend,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -642,6 +647,7 @@ impl Counter {
             Counter::DropTooBigLimited => "drop_too_big_limited",
             Counter::SyncGuessLimited => "sync_guess_limited",
             Counter::SyncOpenLimited => "sync_open_limited",
+            Counter::IcmpToBackend => "icmp_to_backend",
         }
     }
 }

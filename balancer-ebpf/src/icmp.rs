@@ -19,13 +19,13 @@ use crate::{
     parse::{Packet, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
 };
 
-const V4_HLEN: usize = 20;
-const ICMP_HLEN: usize = 8;
+pub const V4_HLEN: usize = 20;
+pub const ICMP_HLEN: usize = 8;
 /// What is quoted of the packet past its IP header: the TCP ports and sequence number, by
 /// which the sender's stack finds its connection (8 bytes, as RFC 792 asks for IPv4).
-const QUOTED_L4: usize = 8;
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_ICMPV6: u8 = 58;
+pub const QUOTED_L4: usize = 8;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_ICMPV6: u8 = 58;
 const ANSWER_TTL: u8 = 64;
 
 /// Whether `pkt`, too big for an MTU, gets an answer rather than the stack: not a VLAN

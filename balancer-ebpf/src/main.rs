@@ -9,6 +9,7 @@
 
 mod affinity;
 mod icmp;
+mod icmp_errors;
 mod maps;
 mod nat;
 mod parse;
@@ -16,7 +17,10 @@ mod room;
 mod sync;
 
 use aya_ebpf::{
-    bindings::xdp_action::{XDP_DROP, XDP_PASS},
+    bindings::{
+        xdp_action::{XDP_DROP, XDP_PASS},
+        xdp_md,
+    },
     helpers::bpf_ktime_get_coarse_ns,
     macros::xdp,
     programs::XdpContext,
@@ -37,16 +41,74 @@ use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
 
+/// What [`tcp`] returns for a packet that is not TCP: no XDP verdict has this value.
+const NOT_TCP: u32 = u32::MAX;
+
+/// TCP and everything else in two BPF subprograms, each with a stack frame of its own: the
+/// verifier bounds the frames of a chain of calls together, and one frame would not hold
+/// both paths' variables.
 #[xdp]
 pub fn balancer(ctx: XdpContext) -> u32 {
     count(Counter::Packets);
-    match parse::parse(&ctx) {
-        Ok(pkt) => route(&ctx, &pkt),
+    match tcp(ctx.ctx) {
+        NOT_TCP => icmp_error(ctx.ctx),
+        verdict => verdict,
+    }
+}
+
+/// The TCP path, or `NOT_TCP`.
+#[inline(never)]
+fn tcp(ctx: *mut xdp_md) -> u32 {
+    let ctx = &XdpContext::new(ctx);
+    match parse::parse(ctx) {
+        Ok(pkt) => route(ctx, &pkt),
+        Err(Counter::PassNotTcp) => NOT_TCP,
         Err(reason) => {
             count(reason);
             XDP_PASS
         }
     }
+}
+
+/// A packet that is not TCP: an ICMP error about a reply of one of our flows, from a router
+/// on the client's side, goes on to the flow's backend (see `icmp_errors`); anything else to
+/// the stack.
+#[inline(never)]
+fn icmp_error(ctx: *mut xdp_md) -> u32 {
+    let ctx = &XdpContext::new(ctx);
+    let Some(quoted) = icmp_errors::parse(ctx) else {
+        count(Counter::PassNotTcp);
+        return XDP_PASS;
+    };
+    let quoted = &quoted;
+    let pkt = &quoted.pkt;
+    let vip_key = VipKey {
+        addr: pkt.key.dst,
+        port: pkt.key.dport,
+        proto: IPPROTO_TCP,
+        family: pkt.key.family,
+    };
+    let (Some(vip), Some(entry)) = (VIPS.get_ptr(vip_key), FLOWS.get_ptr_mut(pkt.key)) else {
+        count(Counter::PassNotTcp);
+        return XDP_PASS;
+    };
+    if pkt.ttl <= 1 {
+        count(Counter::PassTtlExceeded);
+        return XDP_PASS;
+    }
+    // SAFETY: pointers from successful lookups, valid for this run; fields written whole.
+    let (dsr, entry) = (unsafe { (*vip).flags } & VIP_F_DSR != 0, unsafe {
+        &mut *entry
+    });
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
+    let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
+    if !dsr && icmp_errors::translate(ctx, quoted, &entry.nat_addr, entry.nat_port).is_err() {
+        count(Counter::PassMalformed);
+        return XDP_PASS;
+    }
+    count(Counter::IcmpToBackend);
+    nat::send(ctx, pkt, hop, dsr)
 }
 
 #[inline(always)]

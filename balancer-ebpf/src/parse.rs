@@ -37,7 +37,7 @@ pub struct Packet {
 }
 
 #[inline(always)]
-fn load<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, Counter> {
+pub fn load<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, Counter> {
     let start = ctx.data();
     if start + off + size_of::<T>() > ctx.data_end() {
         return Err(Counter::PassTruncated);
@@ -51,8 +51,10 @@ fn load_be16(ctx: &XdpContext, off: usize) -> Result<u16, Counter> {
     load::<u16>(ctx, off).map(u16::from_be)
 }
 
+/// The EtherType past the VLAN tags, where the network header starts, and whether the frame
+/// is tagged.
 #[inline(always)]
-pub fn parse(ctx: &XdpContext) -> Result<Packet, Counter> {
+pub fn network(ctx: &XdpContext) -> Result<(u16, usize, bool), Counter> {
     let mut proto = load_be16(ctx, 12)?;
     let mut l3 = ETH_HLEN;
     let mut vlan = false;
@@ -64,6 +66,12 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, Counter> {
             vlan = true;
         }
     }
+    Ok((proto, l3, vlan))
+}
+
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Result<Packet, Counter> {
+    let (proto, l3, vlan) = network(ctx)?;
     let frame_len = ctx.data_end() - ctx.data();
     match proto {
         ETH_P_IP => parse_v4(ctx, l3, frame_len, vlan),

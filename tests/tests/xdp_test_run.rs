@@ -47,6 +47,8 @@ struct Net {
     vip_routed: IpAddr,
     /// An address behind g1 that is no backend.
     other: IpAddr,
+    /// A router on the client's link, which sends ICMP errors.
+    router: IpAddr,
     /// VIP of a pool of four backends behind g1 (no neighbour entries).
     vip_multi: IpAddr,
     multi: [IpAddr; 4],
@@ -75,6 +77,7 @@ fn v4() -> Net {
         vip_empty: ip("192.0.2.63"),
         vip_routed: ip("192.0.2.65"),
         other: ip("10.4.0.99"),
+        router: ip("10.9.0.1"),
         vip_multi: ip("192.0.2.64"),
         multi: ["10.4.0.21", "10.4.0.22", "10.4.0.23", "10.4.0.24"].map(ip),
         vip_dsr: ip("192.0.2.70"),
@@ -97,6 +100,7 @@ fn v6() -> Net {
         vip_empty: ip("2001:db8::63"),
         vip_routed: ip("2001:db8::65"),
         other: ip("fd00:4::99"),
+        router: ip("fd00:9::1"),
         vip_multi: ip("2001:db8::64"),
         multi: ["fd00:4::21", "fd00:4::22", "fd00:4::23", "fd00:4::24"].map(ip),
         vip_dsr: ip("2001:db8::70"),
@@ -951,6 +955,57 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         Counter::Tx,
     )?;
 
+    // An ICMP error about that flow's reply, from a router on the client's side, goes to the
+    // backend as the reply left it: to its address, quoting its address and port, every
+    // checksum fixed. Quoting the whole reply (its TCP checksum too) and quoting the 8 bytes
+    // of TCP every router quotes. One about a connection we do not have goes to the stack.
+    let reply = crate::to_client(
+        &Frame {
+            smac: MAC_SAME_LINK,
+            dmac: MAC_G0,
+            src: n.backend_tx,
+            dst: n.client,
+            sport: 8000,
+            dport: 40004,
+            flags: "AP",
+            ..tx.clone()
+        },
+        n.vip_tx,
+    );
+    let sent = reply.with(|f| {
+        f.src = n.backend_tx;
+        f.sport = 9000;
+    });
+    let whole = reply.bytes().len() - 14;
+    let ip_hlen = if n.client.is_ipv4() { 20 } else { 40 };
+    for (what, quote) in [("whole", whole), ("8 bytes of TCP", ip_hlen + 8)] {
+        let router = (MAC_CLIENT, MAC_G0, 64);
+        let error = icmp_error(n.router, n.vip_tx, router, &reply.bytes()[14..14 + quote]);
+        let on = (MAC_G0, MAC_SAME_LINK, 63);
+        let out = icmp_error(n.router, n.backend_tx, on, &sent.bytes()[14..14 + quote]);
+        h.expect(
+            &format!("{fam} ICMP error quoting {what}"),
+            g0,
+            &error,
+            XDP_TX,
+            &out,
+            Counter::IcmpToBackend,
+        )?;
+    }
+    let stranger = reply.with(|f| f.dport = 40099).bytes();
+    h.expect_untouched(
+        &format!("{fam} ICMP error about another connection"),
+        g0,
+        &icmp_error(
+            n.router,
+            n.vip_tx,
+            (MAC_CLIENT, MAC_G0, 64),
+            &stranger[14..],
+        ),
+        XDP_PASS,
+        Counter::PassNotTcp,
+    )?;
+
     // Neighbour unknown: rewritten, then the stack resolves it (and decrements the TTL).
     let nn = syn.with(|f| {
         f.sport = 40005;
@@ -1141,6 +1196,21 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
         &hop(&tx, MAC_G0, MAC_SAME_LINK).bytes(),
         Counter::Tx,
     )?;
+    // An ICMP error about its reply (which the backend sent from the VIP itself) goes to the
+    // backend unchanged but for the MACs and the TTL.
+    let reply = tx.with(|f| {
+        (f.src, f.dst, f.sport, f.dport) = (n.vip_dsr_tx, n.client, 8000, 41003);
+        f.flags = "AP";
+    });
+    let quoted = &reply.bytes()[14..];
+    h.expect(
+        &format!("{fam} DSR ICMP error"),
+        g0,
+        &icmp_error(n.router, n.vip_dsr_tx, (MAC_CLIENT, MAC_G0, 64), quoted),
+        XDP_TX,
+        &icmp_error(n.router, n.vip_dsr_tx, (MAC_G0, MAC_SAME_LINK, 63), quoted),
+        Counter::IcmpToBackend,
+    )?;
 
     // Undeliverable: dropped, and no flow recorded or counted, so that the client's next
     // SYN is placed anew (and its retransmission dropped the same way).
@@ -1278,6 +1348,38 @@ fn too_big_answer(frame: &Frame, mtu: u16) -> Vec<u8> {
             eth.ipv6(d.octets(), s.octets(), 64)
                 .icmpv6(etherparse::Icmpv6Type::PacketTooBig { mtu: mtu.into() })
                 .write(&mut out, &bytes[14..14 + 40 + 8])
+                .unwrap();
+        }
+        _ => unreachable!(),
+    }
+    out
+}
+
+/// An ICMP error from `from` to `to` quoting `quoted` (an IP packet, or its start):
+/// "fragmentation needed" for IPv4, "packet too big" for IPv6, next-hop MTU 1400, between
+/// the MACs and with the TTL given. Built by etherparse, checksums and all.
+fn icmp_error(
+    from: IpAddr,
+    to: IpAddr,
+    (smac, dmac, ttl): ([u8; 6], [u8; 6], u8),
+    quoted: &[u8],
+) -> Vec<u8> {
+    let eth = PacketBuilder::ethernet2(smac, dmac);
+    let mut out = Vec::new();
+    match (from, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let frag = etherparse::icmpv4::DestUnreachableHeader::FragmentationNeeded {
+                next_hop_mtu: 1400,
+            };
+            eth.ipv4(s.octets(), d.octets(), ttl)
+                .icmpv4(etherparse::Icmpv4Type::DestinationUnreachable(frag))
+                .write(&mut out, quoted)
+                .unwrap();
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            eth.ipv6(s.octets(), d.octets(), ttl)
+                .icmpv6(etherparse::Icmpv6Type::PacketTooBig { mtu: 1400 })
+                .write(&mut out, quoted)
                 .unwrap();
         }
         _ => unreachable!(),
