@@ -71,7 +71,7 @@ fn uploads_cross_a_narrower_hop() {
 
 fn narrower_hop(topology: &Topology, agent: &Path) -> Result<()> {
     const UPLOAD: usize = 256 * 1024;
-    let config = AgentConfig::gateway(topology, WEIGHTS);
+    let config = config(topology);
     let agent = Agent::start(topology, agent, &config)?;
     topology.set_gateway_switch_mtu(1300)?;
     for (family, port) in [(Family::V4, 49000), (Family::V6, 49001)] {
@@ -105,7 +105,7 @@ fn panic_with_the_agent_running_leaves_nothing_behind() {
     let agent = agent_binary().unwrap();
     let result = catch_unwind(AssertUnwindSafe(|| {
         let topology = topology();
-        let config = AgentConfig::gateway(&topology, WEIGHTS);
+        let config = config(&topology);
         let _agent = Agent::start(&topology, &agent, &config).unwrap();
         panic!("deliberate panic with the agent running");
     }));
@@ -116,6 +116,15 @@ fn panic_with_the_agent_running_leaves_nothing_behind() {
         "the setup itself failed"
     );
     check_nothing_remains().unwrap();
+}
+
+/// The agent on the gateway with `WEIGHTS`. The SSE servers are no inference servers: their
+/// health checks fail, and `fall` of them would take every server DOWN ten seconds in,
+/// mid-test, however the forwarding fares. One check at the start, the next ten minutes on.
+fn config(topology: &Topology) -> AgentConfig {
+    let mut config = AgentConfig::gateway(topology, WEIGHTS);
+    config.agent.health_interval_ms = Some(600_000);
+    config
 }
 
 fn topology() -> Topology {
@@ -138,7 +147,7 @@ fn forwarding(family: Family) {
 
 fn scenario(topology: &Topology, agent: &Path, family: Family) -> Result<()> {
     let vip = family.vip();
-    let mut config = AgentConfig::gateway(topology, WEIGHTS);
+    let mut config = config(topology);
     let mut agent = Agent::start(topology, agent, &config)?;
     // Shows that the check after the agent stops can see a program at all.
     let attached = topology.gateway_xdp()?;
