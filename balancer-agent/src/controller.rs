@@ -947,7 +947,9 @@ impl Controller {
     /// Takes what a sweep of the flow table deleted: the closes of the handshakes that never
     /// completed are counted, as the program counts a connection's close.
     pub fn reclaimed(&mut self, swept: &crate::sweep::Swept) {
-        self.dp.count_closes(&swept.unanswered);
+        for (&id, &n) in &swept.unanswered {
+            self.dp.count_closes(id, n);
+        }
         self.reclaimed[0] += swept.ended;
         self.reclaimed[1] += swept.unanswered_total();
     }

@@ -812,7 +812,7 @@ impl Dataplane {
             Kind::Close => match same.filter(|e| e.closed == 0) {
                 Some(e) => {
                     if e.close_claim == 0 {
-                        self.count_close(id);
+                        self.count_closes(id, 1);
                     }
                     FlowEntry {
                         closed: 1,
@@ -835,30 +835,20 @@ impl Dataplane {
     /// counts it when it places a flow over such an entry itself.
     fn replacing(&mut self, current: Option<FlowEntry>, adopted: FlowEntry) -> FlowEntry {
         if let Some(e) = current.filter(|e| e.close_claim == 0) {
-            self.count_close(e.backend_id);
+            self.count_closes(e.backend_id, 1);
         }
         adopted
     }
 
-    /// Counts the closes of connections that will never be seen closing, `n` per backend id
-    /// (handshakes that never completed, whose entries the sweep deleted): as
-    /// [`Dataplane::count_close`] does.
-    pub fn count_closes(&mut self, closes: &HashMap<u32, u64>) {
-        for (&id, &n) in closes {
-            for _ in 0..n {
-                self.count_close(id);
-            }
-        }
-    }
-
-    /// Counts the close of a connection to `id` that this gateway opened and will not see
-    /// close: where the program would have (`CLOSES`, for the spill room), and in the
+    /// Counts the closes of `n` connections to `id` that this gateway opened and will not see
+    /// close (a peer reported or replaced them, or the sweep deleted their unanswered
+    /// handshakes): where the program would have (`CLOSES`, for the spill room), and in the
     /// agent's own count, added to the program's in [`Dataplane::backend_stats`].
-    fn count_close(&mut self, id: u32) {
+    pub fn count_closes(&mut self, id: u32, n: u64) {
         if let Some(c) = self.closes.shared().get(id as usize) {
-            c.fetch_add(1, Ordering::Relaxed);
+            c.fetch_add(n, Ordering::Relaxed);
         }
-        *self.closed_elsewhere.entry(id).or_default() += 1;
+        *self.closed_elsewhere.entry(id).or_default() += n;
     }
 
     /// [`live_flows`] in this agent's flow table.

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use reqwest::RequestBuilder;
 use serde_json::{json, Value};
 
-use crate::config::Config;
+use crate::{config::Config, scrape::body_at_most};
 
 /// The result of one check, as the state machine sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,13 +164,10 @@ const MAX_ANSWER_BYTES: usize = 256 << 10;
 
 /// `response`'s body as JSON, read up to [`MAX_ANSWER_BYTES`].
 async fn json_body(mut response: reqwest::Response) -> Result<Value> {
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.context("reading the answer")? {
-        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
-            bail!("an answer longer than {MAX_ANSWER_BYTES} bytes");
-        }
-        body.extend_from_slice(&chunk);
-    }
+    let body = body_at_most(&mut response, MAX_ANSWER_BYTES)
+        .await
+        .context("reading the answer")?
+        .with_context(|| format!("an answer longer than {MAX_ANSWER_BYTES} bytes"))?;
     serde_json::from_slice(&body).context("not JSON")
 }
 

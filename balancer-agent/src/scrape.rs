@@ -173,24 +173,10 @@ impl Scraper {
                 status: status.as_u16(),
             });
         }
-        if resp
-            .content_length()
-            .is_some_and(|n| n > self.max_bytes as u64)
-        {
-            return Err(too_large());
-        }
-        let mut body = Vec::with_capacity(
-            resp.content_length()
-                .map_or(64 << 10, |n| n as usize)
-                .min(self.max_bytes),
-        );
-        while let Some(chunk) = resp.chunk().await.map_err(|e| self.error(addr, &e))? {
-            if chunk.len() > self.max_bytes - body.len() {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(body)
+        body_at_most(&mut resp, self.max_bytes)
+            .await
+            .map_err(|e| self.error(addr, &e))?
+            .ok_or_else(too_large)
     }
 
     fn error(&self, addr: SocketAddr, e: &reqwest::Error) -> ScrapeError {
@@ -240,6 +226,29 @@ fn causes(e: &reqwest::Error) -> String {
     } else {
         parts.join(": ").replace('\n', " ")
     }
+}
+
+/// `resp`'s body, or None once it would pass `max` bytes (announced so, or read so): what
+/// scrapes and health checks read of a server, so that none costs more memory than that.
+pub async fn body_at_most(
+    resp: &mut reqwest::Response,
+    max: usize,
+) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if resp.content_length().is_some_and(|n| n > max as u64) {
+        return Ok(None);
+    }
+    let mut body = Vec::with_capacity(
+        resp.content_length()
+            .map_or(64 << 10, |n| n as usize)
+            .min(max),
+    );
+    while let Some(chunk) = resp.chunk().await? {
+        if chunk.len() > max - body.len() {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
 }
 
 #[cfg(test)]

@@ -82,13 +82,7 @@ fn icmp_error(ctx: *mut xdp_md) -> u32 {
     };
     let quoted = &quoted;
     let pkt = &quoted.pkt;
-    let vip_key = VipKey {
-        addr: pkt.key.dst,
-        port: pkt.key.dport,
-        proto: IPPROTO_TCP,
-        family: pkt.key.family,
-    };
-    let (Some(vip), Some(entry)) = (VIPS.get_ptr(vip_key), FLOWS.get_ptr_mut(pkt.key)) else {
+    let (Some(vip), Some(entry)) = (VIPS.get_ptr(vip_of(pkt)), FLOWS.get_ptr_mut(pkt.key)) else {
         count(Counter::PassNotTcp);
         return XDP_PASS;
     };
@@ -111,15 +105,20 @@ fn icmp_error(ctx: *mut xdp_md) -> u32 {
     nat::send(ctx, pkt, hop, dsr)
 }
 
+/// The VIP a packet (or the flow an ICMP error quotes) is sent to, as `VIPS` keys it.
 #[inline(always)]
-fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
-    let vip_key = VipKey {
+fn vip_of(pkt: &Packet) -> VipKey {
+    VipKey {
         addr: pkt.key.dst,
         port: pkt.key.dport,
         proto: IPPROTO_TCP,
         family: pkt.key.family,
-    };
-    if let Some(vip) = VIPS.get_ptr(vip_key) {
+    }
+}
+
+#[inline(always)]
+fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
+    if let Some(vip) = VIPS.get_ptr(vip_of(pkt)) {
         // SAFETY: a pointer from a successful lookup is valid for this program run.
         let vip = unsafe { *vip };
         return forward(ctx, pkt, &vip);

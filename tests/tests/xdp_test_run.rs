@@ -553,7 +553,7 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
             ensure!(kept != reclaimed, "{what}: kept {kept}");
         }
         // Counted closed where the spill room and `show` look, once.
-        h.dp.count_closes(&swept.unanswered);
+        h.dp.count_closes(BACKEND, swept.unanswered[&BACKEND]);
         let closed = h.dp.backend_stats(BACKEND)?.flows_closed - closed_before;
         ensure!(
             closed == 1,
