@@ -74,6 +74,24 @@ struct Server {
 }
 
 impl Server {
+    /// Takes the TTFT totals of a good scrape sent `at`: the mean TTFT of the requests that
+    /// got their first token since the last good scrape, if that one is at most `life` old.
+    /// After a longer gap (the scrapes between failed) the difference would average the
+    /// whole gap, mostly requests long past, so this scrape only starts the series again.
+    fn observe_ttft(&mut self, ttft: Option<&TtftSeries>, at: Instant, life: Duration) {
+        let recent = self
+            .reading_at
+            .is_some_and(|last| at.saturating_duration_since(last) <= life);
+        if let Some(ms) = recent
+            .then(|| recent_ttft_ms(self.last_ttft.as_ref(), ttft))
+            .flatten()
+        {
+            self.ttft_ms = Some(ms);
+            self.ttft_at = Some(at);
+        }
+        self.last_ttft = ttft.cloned();
+    }
+
     /// A server new to the agent: UP, with its configured weight until the policy decides.
     fn new(id: u32, pool: &Pool, s: &crate::config::Server, now: Instant) -> Self {
         Server {
@@ -331,7 +349,16 @@ impl Controller {
                         o.model = pool.model.clone().or(o.model);
                         o
                     }
-                    None => Server::new(*id, pool, s, now),
+                    None => {
+                        let mut new = Server::new(*id, pool, s, now);
+                        // Counts from before (pinned maps an earlier agent kept, or an id
+                        // that served another server) are where its rates start, not
+                        // connections it just opened.
+                        if let Ok(stats) = self.dp.backend_stats(*id) {
+                            (new.now, new.at_scrape) = (stats, stats);
+                        }
+                        new
+                    }
                 };
                 applied.push(server.decision.weight);
                 servers.insert(key, server);
@@ -400,17 +427,14 @@ impl Controller {
         &mut self,
         results: Vec<(ScrapeTarget, Result<Reading, crate::scrape::ScrapeError>)>,
     ) {
+        let ttft_life = self.scrape_interval() * STALE_INTERVALS;
         for (target, result) in results {
             let Some(s) = self.servers.get_mut(&target.key) else {
                 continue; // removed by a reload meanwhile
             };
             match result {
                 Ok(reading) => {
-                    if let Some(ms) = recent_ttft_ms(s.last_ttft.as_ref(), reading.ttft.as_ref()) {
-                        s.ttft_ms = Some(ms);
-                        s.ttft_at = Some(target.sent_at);
-                    }
-                    s.last_ttft = reading.ttft.clone();
+                    s.observe_ttft(reading.ttft.as_ref(), target.sent_at, ttft_life);
                     let before = s.reading.as_ref().and_then(|r| r.ignored.as_ref());
                     let new = |w: &&DialectError| !before.is_some_and(|b| b.same_fault(w));
                     if let Some(why) = reading.ignored.as_ref().filter(new) {
@@ -1201,7 +1225,7 @@ pub fn state_name(s: State) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::NotDirect;
+    use crate::{dialect::TtftTotals, route::NotDirect};
 
     /// Any queue, or every slot taken, is a reason for a check to wait; the spill threshold
     /// is not.
@@ -1288,6 +1312,38 @@ mod tests {
             format!("{full:#}"),
             "POST http://10.4.0.12:8000/v1/completions: HTTP 503 Service Unavailable"
         );
+    }
+
+    /// A scrape's TTFT is the mean over the requests since the last good scrape, and only
+    /// when that one is recent: after a gap of failed scrapes the next good one starts the
+    /// series again rather than averaging the gap.
+    #[test]
+    fn ttft_is_not_averaged_over_a_gap_in_scrapes() {
+        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
+            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n";
+        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
+        let t0 = Instant::now();
+        let mut s = Server::new(1, &config.pool[0], &config.pool[0].server[0], t0);
+        let totals = |sum_s: f64, count: f64| {
+            TtftSeries([("".to_string(), TtftTotals { sum_s, count })].into())
+        };
+        let life = Duration::from_secs(6);
+        // A good scrape: remembered as the reading of its time, as `scraped` does.
+        let scrape = |s: &mut Server, series: &TtftSeries, secs: u64| {
+            let at = t0 + Duration::from_secs(secs);
+            s.observe_ttft(Some(series), at, life);
+            s.reading_at = Some(at);
+        };
+        scrape(&mut s, &totals(10.0, 100.0), 0);
+        assert_eq!(s.ttft_ms, None, "one scrape has no difference");
+        scrape(&mut s, &totals(12.0, 110.0), 2);
+        assert_eq!(s.ttft_ms.map(f64::round), Some(200.0));
+        // The scrapes between 2 s and 62 s failed; ten requests came in at 3 s each.
+        scrape(&mut s, &totals(42.0, 120.0), 62);
+        assert_eq!(s.ttft_at, Some(t0 + Duration::from_secs(2)), "not renewed");
+        scrape(&mut s, &totals(42.5, 121.0), 64);
+        assert_eq!(s.ttft_ms.map(f64::round), Some(500.0));
+        assert_eq!(s.ttft_at, Some(t0 + Duration::from_secs(64)));
     }
 
     /// A server whose metrics never came in gets the share the policy gave it (half the

@@ -568,6 +568,34 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
     })
 }
 
+/// An agent that starts over counts the program already kept (pinned maps, after a
+/// restart) takes them as where its rates start: its first fold reports no burst of new
+/// connections for the ones opened before it, and `show` still counts them open.
+#[test]
+fn an_agent_starting_over_counts_reports_no_burst() -> Result<()> {
+    in_topology(|| {
+        const SYNS: u16 = 20;
+        let n = &v4();
+        let config = config(std::slice::from_ref(n));
+        let (mut h, _) = Harness::load(&config)?;
+        for sport in 0..SYNS {
+            let (verdict, _) = h.run(h.g0, &client_syn(n, n.vip, 40000 + sport).bytes())?;
+            ensure!(verdict == XDP_REDIRECT, "SYN {sport}: verdict {verdict}");
+        }
+        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        controller.fold();
+        let row = &controller.show("a0")?.servers[0];
+        ensure!(
+            row.flows == u64::from(SYNS) && row.new_per_s == 0.0,
+            "{} open, {} new a second",
+            row.flows,
+            row.new_per_s
+        );
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry
