@@ -1,7 +1,7 @@
 //! The loaded XDP program and its maps: load, attach, write a plan, read the counters.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     mem::size_of,
     ops::ControlFlow,
     os::fd::{AsFd, AsRawFd},
@@ -169,13 +169,22 @@ pub struct Dataplane {
     installed: HashMap<u32, (VipKey, VipInfo)>,
     /// What `REPLIES` holds now.
     installed_replies: HashMap<ReplyKey, Replies>,
-    links: BTreeMap<String, XdpLinkId>,
+    links: BTreeMap<String, Attached>,
+    /// Attached interfaces found gone by [`Dataplane::relink`], said once.
+    gone: BTreeSet<String>,
     /// Interfaces whose pinned link this agent took over from an earlier one.
     taken_over: HashSet<String>,
     /// Where maps and links are pinned, if they are (`agent.pin_dir`).
     pins: Option<Pins>,
     /// The maps came from an earlier agent's pins.
     inherited: bool,
+}
+
+/// The program's link on an interface, and the index the interface had then: an interface
+/// deleted and created again under its name has another, and not the program.
+struct Attached {
+    link: XdpLinkId,
+    ifindex: u32,
 }
 
 /// The index of interface `name` (of `agent.interfaces`) in the agent's network namespace.
@@ -269,6 +278,7 @@ impl Dataplane {
             installed: HashMap::new(),
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
+            gone: BTreeSet::new(),
             taken_over: HashSet::new(),
             pins,
             inherited,
@@ -446,8 +456,15 @@ impl Dataplane {
         // Before the program runs anywhere: its redirects may go to these.
         self.allow_egress(interfaces)?;
         for name in interfaces {
-            if self.links.contains_key(name) {
-                continue;
+            let ifindex = interface_index(name)?;
+            match self.links.get(name) {
+                Some(a) if a.ifindex == ifindex => continue,
+                // The kernel took the program off with the old interface; its link stays
+                // listed until a new one replaces it, so that a failed attach is retried.
+                Some(a) => {
+                    warn!(interface = %name, was = a.ifindex, now = ifindex, "the interface was created again; attaching anew")
+                }
+                None => {}
             }
             let pinned = self.pins.as_ref().map(|p| p.link(name));
             let link = match pinned.filter(|p| p.exists()) {
@@ -474,7 +491,40 @@ impl Dataplane {
                 },
                 None => self.attach_new(name)?,
             };
-            self.links.insert(name.clone(), link);
+            if let Some(old) = self.links.insert(name.clone(), Attached { link, ifindex }) {
+                // Only our reference to a defunct link goes: there is nothing to detach from.
+                self.program().detach(old.link).ok();
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches again to the interfaces that were deleted and created again under their
+    /// names since the program was attached (a veth or VLAN set up again, a bond rebuilt, a
+    /// driver reloaded): the kernel detached it from the old ones, and traffic to the VIPs
+    /// on the new ones would go to the stack. One that is gone waits for its return.
+    pub fn relink(&mut self) -> Result<()> {
+        let mut present = Vec::new();
+        let mut moved = false;
+        for (name, a) in &self.links {
+            match interface_index(name) {
+                Ok(index) => {
+                    present.push(name.clone());
+                    moved |= index != a.ifindex;
+                    if self.gone.remove(name) {
+                        info!(interface = %name, "the interface is back");
+                    }
+                }
+                Err(_) => {
+                    if self.gone.insert(name.clone()) {
+                        warn!(interface = %name, "the interface is gone; the program goes back on it when it returns");
+                    }
+                }
+            }
+        }
+        if moved {
+            self.attach_more(&present)?;
+            self.set_egress(&present)?;
         }
         Ok(())
     }
@@ -613,7 +663,8 @@ impl Dataplane {
 
     fn detach_one(&mut self, name: &str) -> Result<()> {
         self.taken_over.remove(name);
-        if let Some(link) = self.links.remove(name) {
+        self.gone.remove(name);
+        if let Some(Attached { link, .. }) = self.links.remove(name) {
             // Unpinned first: the link goes when its last reference, ours, does.
             if let Some(pins) = &self.pins {
                 pins.unpin_link(name)?;

@@ -108,6 +108,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tokio::spawn(sweep_loop(ctl.clone(), flows_id)),
         tokio::spawn(scrape_loop(ctl.clone())),
         tokio::spawn(fold_loop(ctl.clone())),
+        tokio::spawn(relink_loop(ctl.clone())),
         tokio::spawn(health_loop(ctl.clone(), routes)),
         tokio::spawn(serve(listener, ctl.clone())),
     ];
@@ -305,6 +306,26 @@ async fn fold_loop(ctl: Shared) {
         let interval = lock(&ctl).fold_interval();
         sleep(interval).await;
         lock(&ctl).fold();
+    }
+}
+
+/// How often the agent looks for interfaces created again under a configured name.
+const RELINK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Puts the program back on interfaces deleted and created again (`Dataplane::relink`).
+async fn relink_loop(ctl: Shared) {
+    let mut failing = false;
+    loop {
+        sleep(RELINK_INTERVAL).await;
+        match lock(&ctl).dataplane().relink() {
+            Ok(()) => failing = false,
+            // Once per failing streak: it is tried again every interval.
+            Err(e) if !failing => {
+                failing = true;
+                warn!("attaching to an interface created again failed, retrying: {e:#}");
+            }
+            Err(_) => {}
+        }
     }
 }
 

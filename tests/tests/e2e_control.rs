@@ -1445,6 +1445,59 @@ fn refused_whole_when_an_interface_is_taken(bed: &mut Bed) -> Result<()> {
     Ok(())
 }
 
+/// An interface of the configuration deleted and created again under its name (a veth set
+/// up again, a bond rebuilt) gets the program back without a reload: the kernel took it off
+/// with the old one.
+fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()> {
+    let gw = bed.topology.gw();
+    let pair = ["link", "add", "gx", "type", "veth", "peer", "name", "gy"];
+    gw.ip(&pair)?;
+    gw.ip(&["link", "set", "gx", "up"])?;
+    let mut with_gx = bed.config.clone();
+    with_gx.agent.interfaces.push("gx".to_owned());
+    bed.agent.reload(&with_gx)?;
+    let on_gx =
+        || -> Result<bool> { Ok(gw.ip(&["-d", "link", "show", "dev", "gx"])?.contains("xdp")) };
+    let result = (|| {
+        ensure!(on_gx()?, "a reload adding gx did not attach to it");
+        let mark = bed.agent.log().len() as u64;
+        gw.ip(&["link", "del", "gx"])?;
+        // Gone for longer than the agent's look: it waits for the interface's return.
+        std::thread::sleep(Duration::from_millis(1500));
+        gw.ip(&pair)?;
+        gw.ip(&["link", "set", "gx", "up"])?;
+        let start = Instant::now();
+        while !on_gx()? {
+            ensure!(
+                start.elapsed() < Duration::from_secs(10),
+                "gx created again has no program after 10 s: {}",
+                bed.log_since(mark)
+            );
+            std::thread::sleep(POLL);
+        }
+        println!(
+            "  gx deleted and created again: attached again in {:?}",
+            start.elapsed()
+        );
+        let log = bed.log_since(mark);
+        ensure!(
+            log.contains("the interface is gone")
+                && log.contains("the interface was created again"),
+            "the agent did not say what happened to gx: {log}"
+        );
+        let attached = bed.topology.gateway_xdp()?;
+        ensure!(
+            attached.len() == 2,
+            "the gateway's interfaces: {attached:?}"
+        );
+        Ok(())
+    })();
+    let config = bed.config.clone();
+    let back = bed.agent.reload(&config);
+    gw.ip(&["link", "del", "gx"])?;
+    result.and(back)
+}
+
 fn shape(pool: &PoolView) -> Vec<(String, String, bool)> {
     pool.servers
         .iter()
@@ -1532,6 +1585,7 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
     }
     bed.agent.reload(&bed.config)?;
     refused_whole_when_an_interface_is_taken(bed)?;
+    an_interface_created_again_gets_the_program_back(bed)?;
     let ports = bed.ports(200)?;
     let counts = bed.spread(ports)?;
     println!("after them, 200 new connections: {counts:?}");
