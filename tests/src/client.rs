@@ -191,6 +191,14 @@ fn reply(stream: TcpStream) -> Result<Reply> {
     })
 }
 
+/// `GET /bytes?n=N` on a fresh connection from `src_port`: a body of `n` bytes (at most
+/// about 60 KiB: the reply is read up to 64 KiB).
+pub fn get_bytes(server: SocketAddr, src_port: u16, n: usize) -> Result<Reply> {
+    let mut stream = connect(server, src_port)?;
+    request(&mut stream, server, &format!("/bytes?n={n}"))?;
+    reply(stream)
+}
+
 /// `POST /length` with a body of `len` bytes on a fresh connection from `src_port`: the
 /// server answers the length it received.
 pub fn post_length(server: SocketAddr, src_port: u16, len: usize) -> Result<Reply> {

@@ -92,6 +92,7 @@ pub struct Topology {
     client: Netns,
     gw: Netns,
     gw2: Option<Netns>,
+    far: Option<Netns>,
     sw: Netns,
     backends: Vec<Netns>,
     dir: TempDir,
@@ -116,6 +117,7 @@ impl Topology {
             client: Netns::create("client")?,
             gw: Netns::create("gw")?,
             gw2: None,
+            far: None,
             sw: Netns::create("sw")?,
             backends: (0..BACKENDS)
                 .map(|i| Netns::create(&backend_name(i)))
@@ -235,6 +237,39 @@ impl Topology {
         }
         self.gw2 = Some(gw2);
         Ok(())
+    }
+
+    /// A client one router further away, `far` (f0: 10.7.0.2 / fd00:7::2), whose router is
+    /// the client namespace (c5: 10.7.0.1 / fd00:7::1): the router's end of their link has
+    /// MTU `mtu`, the far client's 1500. A hop narrower than both ends on the clients' side
+    /// of the gateway: the servers' full-size answers are too big for it, and the router
+    /// says so in an ICMP error to their source, the VIP. Only the VIPs are routed from
+    /// `far`, through the router and the gateway.
+    pub fn add_far_client(&mut self, mtu: u32) -> Result<()> {
+        let far = Netns::create("far")?;
+        veth(&self.client, "c5", &far, "f0")?;
+        ip(&self.client, &format!("link set c5 mtu {mtu}"))?;
+        forwarding(&self.client, ["c0", "c5"])?;
+        add_addresses(&self.client, "c5", "10.7.0.1/24", "fd00:7::1/64")?;
+        add_addresses(&far, "f0", "10.7.0.2/24", "fd00:7::2/64")?;
+        ip(&far, &format!("route add {VIP4}/32 via 10.7.0.1"))?;
+        ip(&far, &format!("-6 route add {VIP6}/128 via fd00:7::1"))?;
+        ip(&self.gw, "route add 10.7.0.0/24 via 10.9.0.2")?;
+        ip(&self.gw, "-6 route add fd00:7::/64 via fd00:9::2")?;
+        for backend in &self.backends {
+            ip(backend, "route add 10.7.0.0/24 via 10.4.0.1")?;
+            ip(backend, "-6 route add fd00:7::/64 via fd00:4::1")?;
+        }
+        for address in ["10.7.0.1", "fd00:7::1"] {
+            ping(&far, address)?;
+        }
+        self.far = Some(far);
+        Ok(())
+    }
+
+    /// The client one router further away ([`Topology::add_far_client`]).
+    pub fn far_client(&self) -> Result<&Netns> {
+        self.far.as_ref().context("the topology has no far client")
     }
 
     /// Direct server return (`forwarding = "dsr"`): every backend holds both VIPs on its

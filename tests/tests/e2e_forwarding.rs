@@ -99,6 +99,55 @@ fn narrower_hop(topology: &Topology, agent: &Path) -> Result<()> {
     agent.stop()
 }
 
+/// A hop narrower than both ends on the clients' side of the gateway (a router one link
+/// before the client, at 1300 bytes): a download's full-size segments are too big for it,
+/// and the router's ICMP error goes to their source, the VIP. The program sends it on to the
+/// server, translated back to the server's own connection, whose path MTU discovery then
+/// sends smaller segments; the stack would drop it, and the download would stall.
+#[test]
+fn downloads_cross_a_narrower_hop_beyond_the_gateway() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let mut topology = topology();
+    if let Err(e) = narrower_hop_beyond(&mut topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+fn narrower_hop_beyond(topology: &mut Topology, agent: &Path) -> Result<()> {
+    const DOWNLOAD: usize = 48 * 1024;
+    topology.add_far_client(1300)?;
+    let config = config(topology);
+    let agent = Agent::start(topology, agent, &config)?;
+    for (family, port) in [(Family::V4, 49002), (Family::V6, 49003)] {
+        let sent_on = agent.counter("icmp_to_backend")?;
+        let started = Instant::now();
+        let reply = topology
+            .far_client()?
+            .enter(|| client::get_bytes(family.vip(), port, DOWNLOAD))
+            .with_context(|| format!("{family:?}: downloading {DOWNLOAD} bytes"))?;
+        let errors = agent.counter("icmp_to_backend")? - sent_on;
+        println!(
+            "{family:?}: {DOWNLOAD} bytes downloaded from {} in {:?}, {errors} ICMP errors sent on to it",
+            reply.backend,
+            started.elapsed()
+        );
+        ensure!(
+            reply.status == 200 && reply.body.len() == DOWNLOAD,
+            "{family:?}: status {}, {} bytes",
+            reply.status,
+            reply.body.len()
+        );
+        ensure!(
+            errors > 0,
+            "{family:?}: no segment was too big: the test proves nothing"
+        );
+    }
+    agent.stop()
+}
+
 #[test]
 fn panic_with_the_agent_running_leaves_nothing_behind() {
     let _serial = serial();

@@ -23,6 +23,7 @@ use tokio::time::{sleep_until, Instant};
 
 const MAX_EVENTS: u32 = 100_000;
 const MAX_INTERVAL_MS: u64 = 60_000;
+const MAX_BYTES: usize = 16 << 20;
 
 #[derive(Parser)]
 #[command(about = "HTTP/1.1 backend that streams server-sent events")]
@@ -41,6 +42,11 @@ struct StreamQuery {
     interval_ms: u64,
 }
 
+#[derive(Deserialize)]
+struct BytesQuery {
+    n: usize,
+}
+
 #[derive(Serialize)]
 struct Token<'a> {
     backend: &'a str,
@@ -56,6 +62,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/", get(identity))
         .route("/stream", get(events))
         .route("/length", post(length))
+        .route("/bytes", get(bytes))
         .with_state(name)
         .layer(axum::middleware::map_response(
             move |mut response: Response| {
@@ -96,6 +103,17 @@ async fn identity(State(name): State<Arc<str>>) -> String {
 /// How many bytes the request's body had: an upload through the balancer arrived whole.
 async fn length(body: axum::body::Bytes) -> String {
     format!("{}\n", body.len())
+}
+
+/// `n` bytes: a download of full-size segments.
+async fn bytes(Query(query): Query<BytesQuery>) -> Result<String, (StatusCode, String)> {
+    if query.n > MAX_BYTES {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            format!("n must be <= {MAX_BYTES}\n"),
+        ));
+    }
+    Ok("x".repeat(query.n))
 }
 
 async fn events(
