@@ -164,6 +164,8 @@ pub struct ScrapeTarget {
     pub dialect: Option<Dialect>,
     pub sent_at: Instant,
     pub stats: BackendStats,
+    /// The pool's `api_key_file`, read: llama-server wants it on `/metrics` too.
+    pub api_key: Option<ApiKey>,
 }
 
 /// What a health task needs to know about one server.
@@ -417,6 +419,7 @@ impl Controller {
                 dialect: s.dialect,
                 sent_at: now,
                 stats: self.dp.backend_stats(s.id).unwrap_or(s.now),
+                api_key: self.api_keys.get(&key.0).cloned(),
             });
         }
         targets

@@ -171,7 +171,7 @@ async fn json_body(mut response: reqwest::Response) -> Result<Value> {
     serde_json::from_slice(&body).context("not JSON")
 }
 
-fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
+pub fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
     match key {
         Some(key) => request.bearer_auth(&key.0),
         None => request,
@@ -179,7 +179,8 @@ fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
 }
 
 /// The bearer token a pool's servers want on their API (`api_key_file`; vLLM's, SGLang's
-/// and llama-server's `--api-key`), sent with its health checks. Never printed.
+/// and llama-server's `--api-key`), sent with its health checks and scrapes (llama-server
+/// wants it on `/metrics` too). Never printed.
 #[derive(Clone, PartialEq)]
 pub struct ApiKey(Arc<str>);
 

@@ -290,7 +290,9 @@ async fn scrape_loop(ctl: Shared) {
         }
         if let Some(scraper) = &scraper {
             let results = join_all(targets.into_iter().map(|t| async move {
-                let r = scraper.scrape(t.metrics, t.dialect).await;
+                let r = scraper
+                    .scrape(t.metrics, t.dialect, t.api_key.as_ref())
+                    .await;
                 (t, r)
             }))
             .await;

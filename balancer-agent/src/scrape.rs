@@ -11,7 +11,10 @@ use std::{net::SocketAddr, time::Duration};
 
 use tokio::time::Instant;
 
-use crate::dialect::{self, Dialect, DialectError, Reading};
+use crate::{
+    dialect::{self, Dialect, DialectError, Reading},
+    health::{authorized, ApiKey},
+};
 
 /// Largest metrics body accepted by default. vLLM with several engines prints well under
 /// 1 MiB; a larger body is a misconfigured or misbehaving server.
@@ -110,12 +113,13 @@ impl Scraper {
         &self,
         addr: SocketAddr,
         forced: Option<Dialect>,
+        key: Option<&ApiKey>,
     ) -> Result<Reading, ScrapeError> {
         let deadline = Instant::now() + self.timeout;
         let path = forced.map_or("/metrics", Dialect::metrics_path);
-        let body = match self.get(addr, path, deadline).await {
+        let body = match self.get(addr, path, key, deadline).await {
             Err(ScrapeError::Status { status: 404, .. }) if path != "/metrics" => {
-                self.get(addr, "/metrics", deadline).await
+                self.get(addr, "/metrics", key, deadline).await
             }
             other => other,
         }?;
@@ -128,8 +132,11 @@ impl Scraper {
         addr: SocketAddr,
         path: &str,
         forced: Option<Dialect>,
+        key: Option<&ApiKey>,
     ) -> Result<Reading, ScrapeError> {
-        let body = self.get(addr, path, Instant::now() + self.timeout).await?;
+        let body = self
+            .get(addr, path, key, Instant::now() + self.timeout)
+            .await?;
         parse(addr, body, forced)
     }
 
@@ -138,9 +145,10 @@ impl Scraper {
         &self,
         addr: SocketAddr,
         path: &str,
+        key: Option<&ApiKey>,
         deadline: Instant,
     ) -> Result<Vec<u8>, ScrapeError> {
-        match tokio::time::timeout_at(deadline, self.fetch(addr, path)).await {
+        match tokio::time::timeout_at(deadline, self.fetch(addr, path, key)).await {
             Ok(body) => body,
             Err(_) => Err(ScrapeError::Timeout {
                 addr,
@@ -149,19 +157,25 @@ impl Scraper {
         }
     }
 
-    async fn fetch(&self, addr: SocketAddr, path: &str) -> Result<Vec<u8>, ScrapeError> {
+    async fn fetch(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        key: Option<&ApiKey>,
+    ) -> Result<Vec<u8>, ScrapeError> {
         let too_large = || ScrapeError::TooLarge {
             addr,
             max: self.max_bytes,
         };
-        let mut resp = self
+        let request = self
             .client
             .get(format!("http://{addr}{path}"))
             // What Prometheus itself would accept: the text format, never protobuf.
             .header(
                 reqwest::header::ACCEPT,
                 "text/plain;version=0.0.4;q=1,*/*;q=0.1",
-            )
+            );
+        let mut resp = authorized(request, key)
             .send()
             .await
             .map_err(|e| self.error(addr, &e))?;
@@ -301,6 +315,9 @@ llamacpp:requests_deferred 1
         Close,
         /// Answers with bytes that are not UTF-8.
         Latin1,
+        /// 401 unless the request carries `Authorization: Bearer` with this key, as
+        /// llama-server started with `--api-key` answers on `/metrics`.
+        Keyed(&'static str),
     }
 
     /// A tiny HTTP/1.1 server on 127.0.0.1; counts the connections it accepted.
@@ -390,6 +407,26 @@ llamacpp:requests_deferred 1
                     conn.write_all(head.as_bytes()).await?;
                     continue;
                 }
+                Behaviour::Keyed(key) => {
+                    let bearer = format!("Bearer {key}");
+                    let authorized = request.lines().any(|line| {
+                        line.split_once(':').is_some_and(|(name, value)| {
+                            name.eq_ignore_ascii_case("authorization") && value.trim() == bearer
+                        })
+                    });
+                    let (status, body) = if authorized {
+                        ("200 OK", "inference_requests_running 2\ninference_requests_waiting 0\n")
+                    } else {
+                        ("401 Unauthorized", "")
+                    };
+                    let head = format!(
+                        "HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    conn.write_all(head.as_bytes()).await?;
+                    conn.write_all(body.as_bytes()).await?;
+                    continue;
+                }
                 Behaviour::Close => {}
                 Behaviour::Latin1 => {
                     let body = b"inference_requests_running 1\n# caf\xe9\n";
@@ -430,15 +467,30 @@ llamacpp:requests_deferred 1
         let (addr, accepted) = serve(Behaviour::Body(GOOD)).await;
         let s = scraper(2000);
         for _ in 0..3 {
-            let r = bounded(s.scrape(addr, None)).await.unwrap();
+            let r = bounded(s.scrape(addr, None, None)).await.unwrap();
             assert_eq!(r.dialect, Dialect::Llamacpp);
             assert_eq!((r.running, r.waiting), (3.0, 1.0));
         }
         // A clone shares the pool.
-        bounded(s.clone().scrape(addr, Some(Dialect::Llamacpp)))
+        bounded(s.clone().scrape(addr, Some(Dialect::Llamacpp), None))
             .await
             .unwrap();
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// A pool's API key goes with its scrapes: llama-server wants it on `/metrics`.
+    #[tokio::test]
+    async fn the_api_key_goes_with_the_scrape() {
+        let (addr, _) = serve(Behaviour::Keyed("sk-1")).await;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("key");
+        std::fs::write(&file, "sk-1\n").unwrap();
+        let key = ApiKey::load(&file).unwrap();
+        let s = scraper(2000);
+        let r = bounded(s.scrape(addr, None, Some(&key))).await.unwrap();
+        assert_eq!(r.running, 2.0);
+        let e = bounded(s.scrape(addr, None, None)).await.unwrap_err();
+        assert!(e.to_string().contains("HTTP 401 from /metrics"), "{e}");
     }
 
     #[tokio::test]
@@ -448,7 +500,7 @@ llamacpp:requests_deferred 1
         for _ in 0..8 {
             let (addr, _) = serve(Behaviour::Body(GOOD)).await;
             let s = s.clone();
-            set.spawn(async move { s.scrape(addr, None).await });
+            set.spawn(async move { s.scrape(addr, None, None).await });
         }
         let results = bounded(set.join_all()).await;
         assert_eq!(results.len(), 8);
@@ -462,19 +514,19 @@ llamacpp:requests_deferred 1
         let (addr, _) = serve(Behaviour::BodyAt("/prometheus/metrics", TRT)).await;
         let s = scraper(2000);
         // Straight from /prometheus/metrics.
-        let r = bounded(s.scrape(addr, Some(Dialect::Trtllm)))
+        let r = bounded(s.scrape(addr, Some(Dialect::Trtllm), None))
             .await
             .unwrap();
         assert_eq!((r.dialect, r.running), (Dialect::Trtllm, 2.0));
         // A metrics port with only /metrics: 404 on the first path, then /metrics.
         let (metrics_port, _) = serve(Behaviour::Body(TRT)).await;
-        let r = bounded(s.scrape(metrics_port, Some(Dialect::Trtllm)))
+        let r = bounded(s.scrape(metrics_port, Some(Dialect::Trtllm), None))
             .await
             .unwrap();
         assert_eq!((r.dialect, r.running), (Dialect::Trtllm, 2.0));
         // Any other failure of the first path is the answer.
         let (failing, _) = serve(Behaviour::Status(500)).await;
-        let e = bounded(s.scrape(failing, Some(Dialect::Trtllm)))
+        let e = bounded(s.scrape(failing, Some(Dialect::Trtllm), None))
             .await
             .unwrap_err();
         assert_eq!(
@@ -482,12 +534,12 @@ llamacpp:requests_deferred 1
             format!("scrape {failing}: HTTP 500 from /prometheus/metrics")
         );
         // An explicit path is taken as it is.
-        let r = bounded(s.scrape_path(addr, "/prometheus/metrics", None))
+        let r = bounded(s.scrape_path(addr, "/prometheus/metrics", None, None))
             .await
             .unwrap();
         assert_eq!(r.dialect, Dialect::Trtllm);
         // Undetected, it is looked for on /metrics, like every other dialect.
-        let e = bounded(s.scrape(addr, None)).await.unwrap_err();
+        let e = bounded(s.scrape(addr, None, None)).await.unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("scrape {addr}: HTTP 404 from /metrics")
@@ -498,7 +550,9 @@ llamacpp:requests_deferred 1
     async fn too_large_with_content_length() {
         let (addr, _) = serve(Behaviour::Huge(10_000_000)).await;
         let started = Instant::now();
-        let e = bounded(scraper(5000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(5000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert!(
             matches!(e, ScrapeError::TooLarge { max, .. } if max == 4 << 20),
             "{e}"
@@ -515,7 +569,7 @@ llamacpp:requests_deferred 1
         let (addr, _) = serve(Behaviour::HugeChunked).await;
         let started = Instant::now();
         let s = Scraper::new(Duration::from_secs(5), 1 << 20).unwrap();
-        let e = bounded(s.scrape(addr, None)).await.unwrap_err();
+        let e = bounded(s.scrape(addr, None, None)).await.unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("scrape {addr}: metrics body larger than 1048576 bytes")
@@ -531,7 +585,9 @@ llamacpp:requests_deferred 1
         ] {
             let (addr, _) = serve(b).await;
             let started = Instant::now();
-            let e = bounded(scraper(300).scrape(addr, None)).await.unwrap_err();
+            let e = bounded(scraper(300).scrape(addr, None, None))
+                .await
+                .unwrap_err();
             let took = started.elapsed();
             assert!(matches!(e, ScrapeError::Timeout { .. }), "{e}");
             assert_eq!(
@@ -548,7 +604,9 @@ llamacpp:requests_deferred 1
     #[tokio::test]
     async fn garbage() {
         let (addr, _) = serve(Behaviour::Body("<html><body>It works!</body></html>\n")).await;
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert!(
             matches!(
                 e,
@@ -571,7 +629,9 @@ llamacpp:requests_deferred 1
     #[tokio::test]
     async fn not_utf8() {
         let (addr, _) = serve(Behaviour::Latin1).await;
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("scrape {addr}: metrics body is not UTF-8 (bad byte at offset 34)")
@@ -581,7 +641,9 @@ llamacpp:requests_deferred 1
     #[tokio::test]
     async fn http_500() {
         let (addr, _) = serve(Behaviour::Status(500)).await;
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("scrape {addr}: HTTP 500 from /metrics")
@@ -591,7 +653,9 @@ llamacpp:requests_deferred 1
     #[tokio::test]
     async fn redirect_is_not_followed() {
         let (addr, _) = serve(Behaviour::Redirect).await;
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("scrape {addr}: HTTP 302 from /metrics")
@@ -601,7 +665,9 @@ llamacpp:requests_deferred 1
     #[tokio::test]
     async fn server_closes_the_connection() {
         let (addr, _) = serve(Behaviour::Close).await;
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert!(matches!(e, ScrapeError::Http { .. }), "{e}");
         let msg = e.to_string();
         assert!(msg.starts_with(&format!("scrape {addr}: ")), "{msg}");
@@ -616,7 +682,9 @@ llamacpp:requests_deferred 1
             let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
             l.local_addr().unwrap()
         };
-        let e = bounded(scraper(2000).scrape(addr, None)).await.unwrap_err();
+        let e = bounded(scraper(2000).scrape(addr, None, None))
+            .await
+            .unwrap_err();
         assert!(matches!(e, ScrapeError::Connect { .. }), "{e}");
         assert_eq!(e.addr(), addr);
         let msg = e.to_string();
