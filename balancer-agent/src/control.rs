@@ -120,11 +120,25 @@ pub struct DrainStatus {
     pub waiting: Option<f64>,
     /// Connections of ours still open on the server.
     pub flows: u64,
+    /// Its health checks failed (absent from an older agent's answer).
+    #[serde(default)]
+    pub down: bool,
+    /// Why its last scrape failed, if it did.
+    #[serde(default)]
+    pub scrape_error: Option<String>,
 }
 
 impl DrainStatus {
+    /// Nothing runs or waits on the server and no connection of ours is left; for a DOWN
+    /// server, whose metrics may never come (it crashed, its port is blocked), no connection
+    /// of ours left is enough.
     pub fn finished(&self) -> bool {
-        self.running == Some(0.0) && self.waiting.unwrap_or(0.0) == 0.0 && self.flows == 0
+        self.flows == 0 && (self.idle() || self.down)
+    }
+
+    /// A scrape since the drain began found nothing running or waiting.
+    pub fn idle(&self) -> bool {
+        self.running == Some(0.0) && self.waiting.unwrap_or(0.0) == 0.0
     }
 }
 
@@ -247,6 +261,38 @@ fn columns<const N: usize>(rows: &[[String; N]]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A drain ends when nothing runs or waits and no connection of ours is left; a DOWN
+    /// server's, whose metrics may never come, when no connection of ours is left.
+    #[test]
+    fn a_drain_ends_without_metrics_only_when_down() {
+        let status =
+            |running: Option<f64>, waiting: Option<f64>, flows: u64, down: bool| DrainStatus {
+                draining: true,
+                running,
+                waiting,
+                flows,
+                down,
+                scrape_error: running.is_none().then(|| "cannot connect".into()),
+            };
+        assert!(status(Some(0.0), Some(0.0), 0, false).finished());
+        assert!(status(Some(0.0), None, 0, false).finished());
+        assert!(!status(Some(0.0), Some(1.0), 0, false).finished());
+        assert!(!status(Some(0.0), Some(0.0), 1, false).finished());
+        assert!(
+            !status(None, None, 0, false).finished(),
+            "up, metrics unknown"
+        );
+        assert!(status(None, None, 0, true).finished());
+        assert!(
+            !status(None, None, 2, true).finished(),
+            "down, connections open"
+        );
+        // An older agent's answer has neither field.
+        let old: DrainStatus =
+            serde_json::from_str(r#"{"draining":true,"running":null,"flows":0}"#).unwrap();
+        assert!(!old.down && old.scrape_error.is_none() && !old.finished());
+    }
 
     fn row(server: &str, kv: Option<f64>, ttft: Option<f64>, state: &str) -> ServerRow {
         ServerRow {

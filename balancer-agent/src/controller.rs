@@ -4,7 +4,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -801,11 +801,14 @@ impl Controller {
         let Some(p) = self.config.pool.iter().find(|p| p.name == pool) else {
             bail!("no pool named {pool:?}");
         };
+        let Some((ip, port)) = server_arg(server) else {
+            bail!("{server:?} is not an address, nor ADDRESS:PORT");
+        };
         let matches: Vec<ServerKey> = p
             .server
             .iter()
             .map(|s| SocketAddr::new(s.address, s.port))
-            .filter(|a| a.to_string() == server || a.ip().to_string() == server)
+            .filter(|a| a.ip() == ip && port.is_none_or(|p| p == a.port()))
             .map(|a| (pool.to_owned(), a))
             .collect();
         match matches.len() {
@@ -871,6 +874,8 @@ impl Controller {
                 running: reading.map(|r| r.running),
                 waiting: reading.map(|r| r.waiting),
                 flows: 0,
+                down: s.track.down,
+                scrape_error: s.scrape_error.clone(),
             },
         })
     }
@@ -1217,6 +1222,20 @@ fn table_weights(config: &Config, servers: &HashMap<ServerKey, Server>) -> Weigh
     w
 }
 
+/// A server as the CLI names it: `ADDRESS:PORT` (`[ADDRESS]:PORT` for IPv6), or an address,
+/// in brackets or not, for any port. Parsed, so that any spelling of an address names it
+/// (`FD00:4:0::11` is `fd00:4::11`).
+fn server_arg(server: &str) -> Option<(IpAddr, Option<u16>)> {
+    if let Ok(a) = server.parse::<SocketAddr>() {
+        return Some((a.ip(), Some(a.port())));
+    }
+    let bare = server
+        .strip_prefix('[')
+        .and_then(|s| s.strip_suffix(']'))
+        .unwrap_or(server);
+    bare.parse().ok().map(|ip| (ip, None))
+}
+
 pub fn state_name(s: State) -> &'static str {
     match s {
         State::Up => "UP",
@@ -1315,6 +1334,37 @@ mod tests {
             format!("{full:#}"),
             "POST http://10.4.0.12:8000/v1/completions: HTTP 503 Service Unavailable"
         );
+    }
+
+    #[test]
+    fn servers_are_named_in_any_spelling() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(server_arg("10.4.0.11"), Some((ip("10.4.0.11"), None)));
+        assert_eq!(
+            server_arg("10.4.0.11:8001"),
+            Some((ip("10.4.0.11"), Some(8001)))
+        );
+        for spelling in ["fd00:4::11", "FD00:4:0::11", "[fd00:4::11]"] {
+            assert_eq!(
+                server_arg(spelling),
+                Some((ip("fd00:4::11"), None)),
+                "{spelling}"
+            );
+        }
+        assert_eq!(
+            server_arg("[FD00:4::11]:8000"),
+            Some((ip("fd00:4::11"), Some(8000)))
+        );
+        for bad in [
+            "",
+            "b1",
+            "10.4.0",
+            "10.4.0.11:port",
+            "[10.4.0.11",
+            "fd00:4::11:99999",
+        ] {
+            assert_eq!(server_arg(bad), None, "{bad}");
+        }
     }
 
     /// A scrape's TTFT is the mean over the requests since the last good scrape, and only

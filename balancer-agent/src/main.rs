@@ -357,7 +357,8 @@ fn hint_range(
 }
 
 /// Polls until the server reports nothing running or waiting (in a scrape taken after the
-/// drain began) and no connection of ours is left on it.
+/// drain began) and no connection of ours is left on it, or, DOWN, has no connection of
+/// ours left.
 fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     let request = Request::DrainStatus { pool, server };
@@ -370,16 +371,23 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             bail!("the drain was cancelled");
         }
         if status.finished() {
-            println!("drained: nothing running, no connection left");
+            if status.idle() {
+                println!("drained: nothing running, no connection left");
+            } else {
+                println!("drained: no connection left (the server is DOWN: its own counts are not waited for)");
+            }
             return Ok(());
         }
         let count = |n: Option<f64>| n.map_or("?".into(), |n| format!("{n:.0}"));
-        let line = format!(
+        let mut line = format!(
             "waiting: {} running, {} waiting, {} connections open",
             count(status.running),
             count(status.waiting),
             status.flows
         );
+        if let Some(e) = &status.scrape_error {
+            line += &format!(" ({e})");
+        }
         if last.as_ref() != Some(&line) {
             println!("{line}");
             last = Some(line);

@@ -415,7 +415,10 @@ llamacpp:requests_deferred 1
                         })
                     });
                     let (status, body) = if authorized {
-                        ("200 OK", "inference_requests_running 2\ninference_requests_waiting 0\n")
+                        (
+                            "200 OK",
+                            "inference_requests_running 2\ninference_requests_waiting 0\n",
+                        )
                     } else {
                         ("401 Unauthorized", "")
                     };
