@@ -206,8 +206,17 @@ pub fn render(view: &PoolView) -> String {
         view.vip,
         columns(&rows)
     );
-    for s in view.servers.iter().filter(|s| s.state == "DOWN") {
-        let _ = writeln!(out, "{} is DOWN: {}", s.server, s.health);
+    for s in &view.servers {
+        if s.state == "DOWN" {
+            let _ = writeln!(out, "{} is DOWN: {}", s.server, s.health);
+        } else if s.reason.starts_with("stale metrics") {
+            // Its numbers above are old, or none: the table alone would not say so.
+            let age = s.metrics_age_ms.map_or("no scrape yet".into(), |ms| {
+                format!("last scrape {:.1} s ago", ms as f64 / 1000.0)
+            });
+            let why = s.scrape_error.as_deref().unwrap_or("no error yet");
+            let _ = writeln!(out, "{} has stale metrics ({age}): {why}", s.server);
+        }
     }
     out
 }
@@ -326,6 +335,16 @@ mod tests {
                     health: "failed: no answer in 2000 ms".into(),
                     ..row("10.4.0.12:8000", None, None, "DOWN")
                 },
+                ServerRow {
+                    reason: "stale metrics: 50% of the median server".into(),
+                    metrics_age_ms: Some(12_340),
+                    scrape_error: Some("scrape 10.4.0.13:8001: cannot connect: refused".into()),
+                    ..row("10.4.0.13:8000", None, None, "UP")
+                },
+                ServerRow {
+                    reason: "stale metrics: configured weight".into(),
+                    ..row("10.4.0.15:8000", None, None, "UP")
+                },
             ],
         };
         let text = render(&view);
@@ -353,8 +372,13 @@ mod tests {
         let third: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         assert_eq!(third[5], "DOWN");
         assert_eq!(
-            lines.collect::<Vec<_>>(),
-            ["10.4.0.12:8000 is DOWN: failed: no answer in 2000 ms"]
+            lines.skip(2).collect::<Vec<_>>(),
+            [
+                "10.4.0.12:8000 is DOWN: failed: no answer in 2000 ms",
+                "10.4.0.13:8000 has stale metrics (last scrape 12.3 s ago): scrape \
+                 10.4.0.13:8001: cannot connect: refused",
+                "10.4.0.15:8000 has stale metrics (no scrape yet): no error yet",
+            ]
         );
     }
 
