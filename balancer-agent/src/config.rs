@@ -113,6 +113,22 @@ pub struct Agent {
     /// the agent detaches the program. Read at start only.
     #[serde(default)]
     pub pin_dir: Option<PathBuf>,
+    /// How the program is attached: in the driver (native), or in the stack (generic). Read
+    /// at start only.
+    #[serde(default)]
+    pub xdp_mode: XdpMode,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpMode {
+    /// Native, or generic where the driver has no XDP support.
+    #[default]
+    Auto,
+    /// Native only: an interface whose driver cannot fails the start or the reload.
+    Native,
+    /// Generic everywhere (a driver whose native XDP misbehaves, say).
+    Generic,
 }
 
 impl Agent {
@@ -992,6 +1008,26 @@ metrics_port = 8001
         assert!(parse(&other)
             .unwrap_err()
             .contains("unknown variant `tunnel`"));
+    }
+
+    #[test]
+    fn xdp_mode_is_auto_native_or_generic() {
+        assert_eq!(parse(GOOD).unwrap().agent.xdp_mode, XdpMode::Auto);
+        let with =
+            |mode: &str| GOOD.replacen("[agent]\n", &format!("[agent]\nxdp_mode = {mode}\n"), 1);
+        assert_eq!(
+            parse(&with("\"generic\"")).unwrap().agent.xdp_mode,
+            XdpMode::Generic
+        );
+        assert_eq!(
+            parse(&with("\"native\"")).unwrap().agent.xdp_mode,
+            XdpMode::Native
+        );
+        let err = parse(&with("\"skb\"")).unwrap_err();
+        assert!(
+            err.contains("xdp_mode") && err.contains("unknown variant `skb`"),
+            "{err}"
+        );
     }
 
     #[test]

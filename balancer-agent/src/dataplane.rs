@@ -21,7 +21,7 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         xdp::{XdpLink, XdpLinkId},
-        Xdp, XdpMode,
+        ProgramError, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader,
 };
@@ -33,7 +33,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{map_batch, objects, pins::Pins, plan::Plan, sync::Kind};
+use crate::{config, map_batch, objects, pins::Pins, plan::Plan, sync::Kind};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -172,6 +172,8 @@ pub struct Dataplane {
     links: BTreeMap<String, Attached>,
     /// Attached interfaces found gone by [`Dataplane::relink`], said once.
     gone: BTreeSet<String>,
+    /// `agent.xdp_mode`.
+    xdp_mode: config::XdpMode,
     /// Interfaces whose pinned link this agent took over from an earlier one.
     taken_over: HashSet<String>,
     /// Where maps and links are pinned, if they are (`agent.pin_dir`).
@@ -279,6 +281,7 @@ impl Dataplane {
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
             gone: BTreeSet::new(),
+            xdp_mode: config::XdpMode::Auto,
             taken_over: HashSet::new(),
             pins,
             inherited,
@@ -577,17 +580,18 @@ impl Dataplane {
 
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
         let pin = self.pins.as_ref().map(|p| p.link(name));
-        let prog = self.program();
-        let mut link = match prog.attach(name, XdpMode::Driver) {
-            Ok(link) => link,
-            Err(native) => {
-                let link = prog.attach(name, XdpMode::Skb).with_context(|| {
-                    format!("attaching to {name} (native mode failed too: {native})")
-                })?;
-                warn!(interface = %name, "native XDP unavailable ({native}); attached in generic mode");
-                link
-            }
+        let mut link = match self.xdp_mode {
+            config::XdpMode::Native => self
+                .program()
+                .attach(name, XdpMode::Driver)
+                .with_context(|| format!("attaching to {name} in native mode (agent.xdp_mode)"))?,
+            config::XdpMode::Generic => self.attach_generic(name, None)?,
+            config::XdpMode::Auto => match self.program().attach(name, XdpMode::Driver) {
+                Ok(link) => link,
+                Err(native) => self.attach_generic(name, Some(native))?,
+            },
         };
+        let prog = self.program();
         if let Some(pin) = pin {
             // Pinning needs the link's fd out of the program's keeping; it goes back in
             // through `attach_to_link`, which swaps in the program it already runs.
@@ -600,6 +604,33 @@ impl Dataplane {
         }
         info!(interface = %name, "attached");
         Ok(link)
+    }
+
+    /// Attaches in generic mode; `native` says why native mode was not used, if it was
+    /// tried. (The kernel does no GRO where a generic program runs: it sees the frames as
+    /// they came.)
+    fn attach_generic(&mut self, name: &str, native: Option<ProgramError>) -> Result<XdpLinkId> {
+        let why = native
+            .as_ref()
+            .map(|e| format!(" (native mode failed: {e})"));
+        let link = self.program().attach(name, XdpMode::Skb).with_context(|| {
+            format!(
+                "attaching to {name} in generic mode{}",
+                why.clone().unwrap_or_default()
+            )
+        })?;
+        match why {
+            Some(why) => {
+                warn!(interface = %name, "native XDP unavailable{why}; attached in generic mode")
+            }
+            None => info!(interface = %name, "generic mode (agent.xdp_mode)"),
+        }
+        Ok(link)
+    }
+
+    /// How the program is attached to interfaces from now on (`agent.xdp_mode`).
+    pub fn set_xdp_mode(&mut self, mode: config::XdpMode) {
+        self.xdp_mode = mode;
     }
 
     /// Swaps this program into the XDP link pinned at `pin`, atomically: the interface

@@ -80,7 +80,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
         Some(dir) => Some(Pins::open(dir, entries)?),
         None => None,
     };
-    let dp = Dataplane::load(entries, pins)?;
+    let mut dp = Dataplane::load(entries, pins)?;
+    dp.set_xdp_mode(config.agent.xdp_mode);
     let interfaces = config.agent.interfaces.clone();
     // Maps first: a program attached to empty maps would pass VIP traffic to the stack.
     let mut controller = Controller::new(config.clone(), dp)?;
@@ -244,6 +245,7 @@ fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
     keep!(control_socket);
     keep!(metrics_listen);
     keep!(pin_dir);
+    keep!(xdp_mode);
     match (&mut new.sync, &running.sync) {
         (Some(next), Some(now)) => {
             if !next.same_peering(now) {

@@ -53,6 +53,9 @@ pub struct AgentSection {
     pub flow_table_entries: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pin_dir: Option<PathBuf>,
+    /// "auto", "native" or "generic".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xdp_mode: Option<String>,
 }
 
 /// `[sync]`: sharing flows with other gateways.
@@ -150,6 +153,7 @@ impl AgentConfig {
                 metrics_listen: None,
                 flow_table_entries: None,
                 pin_dir: None,
+                xdp_mode: None,
             },
             sync: None,
             pools: vec![pool("chat-v4", Family::V4), pool("chat-v6", Family::V6)],

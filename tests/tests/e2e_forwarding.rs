@@ -148,6 +148,62 @@ fn narrower_hop_beyond(topology: &mut Topology, agent: &Path) -> Result<()> {
     agent.stop()
 }
 
+/// `xdp_mode = "generic"`: attached in the stack rather than the driver, the program
+/// forwards as in native mode, both ways, IPv4 and IPv6. The kernel does no GRO where a
+/// generic program runs, so however the interfaces' GRO is set, it sees segments as they
+/// came, whose checksums it can translate.
+#[test]
+fn generic_mode_forwards_with_gro_on() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let topology = topology();
+    if let Err(e) = generic_mode(&topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+fn generic_mode(topology: &Topology, agent: &Path) -> Result<()> {
+    const UPLOAD: usize = 1 << 20;
+    let gw = topology.gw();
+    for dev in GATEWAY_INTERFACES {
+        gw.exec("ethtool", &["-K", dev, "gro", "on"])?;
+    }
+    let mut config = config(topology);
+    config.agent.xdp_mode = Some("generic".into());
+    let agent = Agent::start(topology, agent, &config)?;
+    let attached = topology.gateway_xdp()?;
+    ensure!(
+        attached.len() == 2 && attached.iter().all(|a| a.contains("xdpgeneric")),
+        "not attached in generic mode: {attached:?}"
+    );
+    for (family, port) in [(Family::V4, 49004), (Family::V6, 49005)] {
+        let forwarded = agent.counter("forward")?;
+        let started = Instant::now();
+        let reply = topology
+            .client()
+            .enter(|| client::post_length(family.vip(), port, UPLOAD))
+            .with_context(|| format!("{family:?}: uploading {UPLOAD} bytes in generic mode"))?;
+        let packets = agent.counter("forward")? - forwarded;
+        println!(
+            "{family:?}: {UPLOAD} bytes uploaded to {} in generic mode in {:?}, {packets} packets",
+            reply.backend,
+            started.elapsed()
+        );
+        ensure!(
+            reply.status == 200 && reply.body == format!("{UPLOAD}\n"),
+            "{family:?}: {reply:?}"
+        );
+        // Segments, not coalesced frames: at most one MSS each.
+        ensure!(
+            packets as usize >= UPLOAD / 1460,
+            "{family:?}: {packets} packets forwarded for {UPLOAD} bytes"
+        );
+    }
+    agent.stop()
+}
+
 #[test]
 fn panic_with_the_agent_running_leaves_nothing_behind() {
     let _serial = serial();
