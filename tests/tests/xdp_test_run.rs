@@ -332,7 +332,9 @@ impl Harness {
         self.expect(what, ingress, frame, verdict, frame, counter)
     }
 
-    /// Runs `frame` and checks the verdict, the output bytes, and that `counter` moved by one.
+    /// Runs `frame` and checks the verdict, the output bytes, that `counter` moved by one,
+    /// and, when it is a reason to pass or drop a packet (`pass_*`, `drop_*`), that no other
+    /// such reason moved.
     fn expect(
         &mut self,
         what: &str,
@@ -342,19 +344,22 @@ impl Harness {
         out: &[u8],
         counter: Counter,
     ) -> Result<()> {
-        let before = self.counter(counter);
+        let before = self.dp.counters()?;
         let (v, got) = self.run(ingress, frame).with_context(|| what.to_owned())?;
         ensure!(v == verdict, "{what}: verdict {v}, expected {verdict}");
         ensure!(
             got == out,
             "{what}: output differs\n got      {got:02x?}\n expected {out:02x?}"
         );
-        let after = self.counter(counter);
-        ensure!(
-            after == before + 1,
-            "{what}: counter {} went {before} -> {after}",
-            counter.name()
-        );
+        let after = self.dp.counters()?;
+        let reason = |c: &Counter| c.name().starts_with("pass_") || c.name().starts_with("drop_");
+        for ((c, b), (_, a)) in before.iter().zip(&after) {
+            if *c == counter {
+                ensure!(*a == b + 1, "{what}: counter {} went {b} -> {a}", c.name());
+            } else if reason(&counter) && reason(c) {
+                ensure!(a == b, "{what}: counter {} went {b} -> {a} too", c.name());
+            }
+        }
         Ok(())
     }
 }
@@ -1069,11 +1074,14 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         f.sport = 40007;
         f.dst = n.vip_empty;
     });
-    let (v, _) = h.run(g0, &empty.bytes())?;
-    ensure!(
-        v == XDP_DROP,
-        "{fam}: VIP without backends gave verdict {v}"
-    );
+    let empty = empty.bytes();
+    h.expect_untouched(
+        &format!("{fam} SYN to a VIP without backends"),
+        g0,
+        &empty,
+        XDP_DROP,
+        Counter::DropNoBackend,
+    )?;
     Ok(())
 }
 
@@ -2406,7 +2414,28 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
     arp.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
     arp.extend_from_slice(&MAC_CLIENT);
     arp.extend_from_slice(&[10, 9, 0, 2, 0, 0, 0, 0, 0, 0, 192, 0, 2, 60]);
-    same(h, "ARP", arp, Counter::PassNotIp)?;
+    // Tags in front of the EtherType: 802.1ad outer, 802.1Q inner.
+    let tagged = |frame: &[u8], tags: &[[u8; 2]]| {
+        let mut b = frame[..12].to_vec();
+        for (i, tpid) in tags.iter().enumerate() {
+            b.extend_from_slice(tpid);
+            b.extend_from_slice(&[0, 5 + i as u8]);
+        }
+        b.extend_from_slice(&frame[12..]);
+        b
+    };
+    let (qinq, q) = ([0x88, 0xa8], [0x81, 0x00]);
+    same(h, "ARP", arp.clone(), Counter::PassNotIp)?;
+    same(h, "ARP under a tag", tagged(&arp, &[q]), Counter::PassNotIp)?;
+    same(
+        h,
+        "ARP under two tags",
+        tagged(&arp, &[qinq, q]),
+        Counter::PassNotIp,
+    )?;
+    // A third tag is more than the program looks through.
+    let syn3 = tagged(&syn.bytes(), &[qinq, q, q]);
+    same(h, "a SYN under three tags", syn3, Counter::PassNotIp)?;
 
     let full = syn.bytes();
     match (n.client, n.vip) {
@@ -2456,6 +2485,17 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
             let mut bad = full.clone();
             bad[14 + 20 + 12] = 0x40; // TCP data offset 4
             same(h, "TCP data offset < 5", bad, Counter::PassMalformed)?;
+            let mut bad = full.clone();
+            bad[14 + 20 + 12] = 0xf0; // 60 bytes of header in a shorter segment
+            same(
+                h,
+                "TCP data offset past the segment",
+                bad,
+                Counter::PassMalformed,
+            )?;
+            let mut bad = full.clone();
+            bad[14] = 0x65; // version 6 under the IPv4 EtherType
+            same(h, "IP version 6 as IPv4", bad, Counter::PassMalformed)?;
         }
         (IpAddr::V6(_), IpAddr::V6(_)) => {
             // A hop-by-hop header (PadN) between IPv6 and TCP.
@@ -2469,6 +2509,32 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
             let mut bad = full.clone();
             bad[14 + 40 + 12] = 0x40;
             same(h, "TCP data offset < 5", bad, Counter::PassMalformed)?;
+            let mut bad = full.clone();
+            bad[14 + 40 + 12] = 0xf0;
+            same(
+                h,
+                "TCP data offset past the segment",
+                bad,
+                Counter::PassMalformed,
+            )?;
+            let mut bad = full.clone();
+            bad[14] = 0x45; // version 4 under the IPv6 EtherType
+            same(h, "IP version 4 as IPv6", bad, Counter::PassMalformed)?;
+            for (next, name) in [
+                (43, "routing"),
+                (44, "fragment"),
+                (51, "AH"),
+                (60, "destination options"),
+            ] {
+                let mut b = full.clone();
+                b[14 + 6] = next;
+                same(
+                    h,
+                    &format!("IPv6 {name} header"),
+                    b,
+                    Counter::PassIpv6ExtHeader,
+                )?;
+            }
         }
         _ => unreachable!(),
     }
