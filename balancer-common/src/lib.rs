@@ -544,6 +544,10 @@ pub enum Counter {
     /// "destination unreachable"), sent to the VIP by a router on the client's side: sent on
     /// to the flow's backend, translated back as the reply was before (`icmp_errors.rs`).
     IcmpToBackend,
+    /// An ICMP error about a client's packet, sent to the client by a router between the
+    /// gateway and the flow's backend: its quote translated back to what the client sent
+    /// (to the VIP), then to the stack, which routes it on to the client.
+    IcmpToClient,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -552,7 +556,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::IcmpToBackend as u32 + 1;
+    pub const COUNT: u32 = Counter::IcmpToClient as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -599,6 +603,7 @@ impl Counter {
         Counter::SyncGuessLimited,
         Counter::SyncOpenLimited,
         Counter::IcmpToBackend,
+        Counter::IcmpToClient,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -648,6 +653,7 @@ impl Counter {
             Counter::SyncGuessLimited => "sync_guess_limited",
             Counter::SyncOpenLimited => "sync_open_limited",
             Counter::IcmpToBackend => "icmp_to_backend",
+            Counter::IcmpToClient => "icmp_to_client",
         }
     }
 }

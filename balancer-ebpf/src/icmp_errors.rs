@@ -1,12 +1,20 @@
-//! ICMP errors about a flow's replies, sent to its VIP by a router between the gateway and
-//! the client: "fragmentation needed" (IPv4) or "packet too big" (IPv6) from a narrower link
-//! on the way, or "destination unreachable". The backend sent the reply, so the error is its
-//! to act on: without the smaller path MTU, a stream whose segments do not fit the narrow
-//! link stalls. It goes to the flow's backend translated back as the quoted reply was before
-//! the gateway translated it (VIP to backend in the error's destination and the quoted
-//! source, the VIP's port to the backend's in the quoted source port), so that the backend's
-//! stack finds its connection; for a DSR VIP unchanged, since the backend holds the VIP and
-//! sent the reply as it is quoted. Errors about anything else go to the stack as before.
+//! ICMP errors about our flows' packets, from routers beyond the gateway: "fragmentation
+//! needed" (IPv4) or "packet too big" (IPv6) from a narrower link on the way, or
+//! "destination unreachable". Each quotes the packet as the gateway translated it, so the
+//! end that sent it would not find its connection in it, and without the smaller path MTU a
+//! stream whose segments do not fit the narrow link stalls.
+//!
+//! - About a reply, from a router between the gateway and the client: sent to the VIP
+//!   (the reply's source). It goes to the flow's backend translated back as the reply was
+//!   before the gateway translated it (VIP to backend in the error's destination and the
+//!   quoted source, the VIP's port to the backend's in the quoted source port); for a DSR
+//!   VIP unchanged, since the backend holds the VIP and sent the reply as it is quoted.
+//! - About a client's packet, from a router between the gateway and the server: sent to the
+//!   client. Its quote goes back to what the client sent (the backend's address and port in
+//!   the quoted destination become the VIP's), and the stack routes it on to the client as
+//!   before.
+//!
+//! Errors about anything else go to the stack as before.
 
 use aya_ebpf::programs::XdpContext;
 use balancer_common::{csum, FlowKey, FAMILY_V4, FAMILY_V6, IPPROTO_TCP};
@@ -22,10 +30,12 @@ const ICMP_DEST_UNREACH: u8 = 3;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PACKET_TOO_BIG: u8 = 2;
 
-/// An ICMP error that quotes a packet from a VIP: the packet as the rest of the program
-/// needs it (`l3` the error's IP header, `l4` its ICMP header; the key is the flow whose
-/// reply is quoted, client -> VIP, so that it is looked up and routed as the client's own
-/// packets are), and where the quoted IP and TCP headers are.
+/// An ICMP error that quotes a TCP packet from the address it is sent to: the packet as the
+/// rest of the program needs it (`l3` the error's IP header, `l4` its ICMP header; the key
+/// that of a packet answering the quoted one, so that it is looked up as such packets are:
+/// for a reply quoted (VIP -> client), the client's flow to the VIP; for a client's packet
+/// quoted (client -> backend), the backend's reply), and where the quoted IP and TCP headers
+/// are.
 pub struct Quoted {
     pub pkt: Packet,
     inner_l3: usize,
@@ -77,12 +87,12 @@ fn parse_v4(ctx: &XdpContext, l3: usize, vlan: bool) -> Option<Quoted> {
         ]
     };
     let (to, from, quoted_to) = (word(&hdr, 16), word(&inner, 12), word(&inner, 16));
-    // About a packet from the address the error is sent to: the VIP.
+    // About a packet from the address the error is sent to: the VIP, or a client.
     if to[0] != from[0] {
         return None;
     }
     let ports: [u16; 2] = load(ctx, inner_l4).ok()?;
-    let key = reply_flow(from, quoted_to, ports, FAMILY_V4);
+    let key = answer_key(from, quoted_to, ports, FAMILY_V4);
     let ip = (hdr[8], hdr[1], hdr[6] & 0x40 != 0, len);
     Some(quoted(l3, vlan, key, ip, inner_l3))
 }
@@ -116,7 +126,7 @@ fn parse_v6(ctx: &XdpContext, l3: usize, vlan: bool) -> Option<Quoted> {
         return None;
     }
     let ports: [u16; 2] = load(ctx, inner_l4).ok()?;
-    let key = reply_flow(from, quoted_to, ports, FAMILY_V6);
+    let key = answer_key(from, quoted_to, ports, FAMILY_V6);
     let len = (IPV6_HLEN + payload).min(usize::from(u16::MAX)) as u16;
     Some(quoted(l3, vlan, key, (head[7], 0, true, len), inner_l3))
 }
@@ -154,12 +164,12 @@ fn quoted(
     }
 }
 
-/// The flow whose reply went `vip:ports[0] -> client:ports[1]`, as the client sends it.
+/// The key of a packet answering the quoted `from:ports[0] -> to:ports[1]`.
 #[inline(always)]
-fn reply_flow(vip: [u32; 4], client: [u32; 4], ports: [u16; 2], family: u8) -> FlowKey {
+fn answer_key(from: [u32; 4], to: [u32; 4], ports: [u16; 2], family: u8) -> FlowKey {
     FlowKey {
-        src: client,
-        dst: vip,
+        src: to,
+        dst: from,
         sport: ports[1],
         dport: ports[0],
         proto: IPPROTO_TCP,
@@ -168,17 +178,40 @@ fn reply_flow(vip: [u32; 4], client: [u32; 4], ports: [u16; 2], family: u8) -> F
     }
 }
 
-/// Rewrites the error for the backend `addr:port`: its destination and the quoted source
-/// become the backend's address, the quoted source port its port, and every checksum that
-/// covers them follows (RFC 1624): the error's IPv4 header, the quoted IPv4 header, the
-/// quoted TCP checksum where the router quoted that far, and the ICMP checksum over all of
-/// these (over the error's destination too, for ICMPv6).
+/// Which side of the gateway an error goes on to, and so which end of the quoted packet the
+/// gateway's translation is undone at.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Back {
+    /// An error about a reply, quoted from the VIP: to the backend, whose address goes into
+    /// the error's destination and the quoted source, and its port into the quoted source
+    /// port.
+    ToBackend,
+    /// An error about a client's packet, quoted as sent to the backend: to the client, with
+    /// the VIP's address and port in the quoted destination, as the client sent it. The
+    /// error's own addresses stay.
+    ToClient,
+}
+
+/// Rewrites the error as `back` says, with `addr:port`, and every checksum that covers what
+/// changed follows (RFC 1624): the error's IPv4 header, the quoted IPv4 header, the quoted
+/// TCP checksum where the router quoted that far, and the ICMP checksum over all of these
+/// (over the error's destination too, for ICMPv6).
 #[inline(always)]
-pub fn translate(ctx: &XdpContext, q: &Quoted, addr: &[u32; 4], port: u16) -> Result<(), ()> {
+pub fn translate(
+    ctx: &XdpContext,
+    q: &Quoted,
+    addr: &[u32; 4],
+    port: u16,
+    back: Back,
+) -> Result<(), ()> {
     let pkt = &q.pkt;
+    let outer = back == Back::ToBackend;
+    // Offsets of the quoted address (IPv4, IPv6) and port that change.
+    let (at4, at6, port_at) = if outer { (12, 8, 0) } else { (16, 24, 2) };
     let check_off = pkt.l4 + 2;
     let mut check: u16 = get(ctx, check_off)?;
-    let old_port: u16 = get(ctx, q.inner_l4)?;
+    let port_off = q.inner_l4 + port_at;
+    let old_port: u16 = get(ctx, port_off)?;
     // Within the error, not the frame's padding.
     let tcp_check_off = q.inner_l4 + TCP_CHECK;
     let quoted_check = tcp_check_off + 2 <= pkt.l3 + usize::from(pkt.len);
@@ -188,23 +221,27 @@ pub fn translate(ctx: &XdpContext, q: &Quoted, addr: &[u32; 4], port: u16) -> Re
         None
     };
     let new_tcp_check = if pkt.key.family == FAMILY_V4 {
-        let old: u32 = get(ctx, pkt.l3 + 16)?;
-        let ip_check: u16 = get(ctx, pkt.l3 + 10)?;
-        put(ctx, pkt.l3 + 10, csum::replace4(ip_check, old, addr[0]))?;
-        put(ctx, pkt.l3 + 16, addr[0])?;
+        let old: u32 = get(ctx, q.inner_l3 + at4)?;
+        if outer {
+            let ip_check: u16 = get(ctx, pkt.l3 + 10)?;
+            put(ctx, pkt.l3 + 10, csum::replace4(ip_check, old, addr[0]))?;
+            put(ctx, pkt.l3 + 16, addr[0])?;
+        }
         let inner_check: u16 = get(ctx, q.inner_l3 + 10)?;
         let new_inner_check = csum::replace4(inner_check, old, addr[0]);
         put(ctx, q.inner_l3 + 10, new_inner_check)?;
-        put(ctx, q.inner_l3 + 12, addr[0])?;
+        put(ctx, q.inner_l3 + at4, addr[0])?;
         check = csum::replace4(check, old, addr[0]);
         check = csum::replace2(check, inner_check, new_inner_check);
         tcp_check.map(|c| csum::replace4(c, old, addr[0]))
     } else {
-        let old: [u32; 4] = get(ctx, pkt.l3 + 24)?;
-        put(ctx, pkt.l3 + 24, *addr)?;
-        put(ctx, q.inner_l3 + 8, *addr)?;
-        // Once for the pseudo-header's destination, once for the quoted source.
-        check = csum::replace16(check, &old, addr);
+        let old: [u32; 4] = get(ctx, q.inner_l3 + at6)?;
+        if outer {
+            // The pseudo-header's destination.
+            put(ctx, pkt.l3 + 24, *addr)?;
+            check = csum::replace16(check, &old, addr);
+        }
+        put(ctx, q.inner_l3 + at6, *addr)?;
         check = csum::replace16(check, &old, addr);
         tcp_check.map(|c| csum::replace16(c, &old, addr))
     };
@@ -213,7 +250,7 @@ pub fn translate(ctx: &XdpContext, q: &Quoted, addr: &[u32; 4], port: u16) -> Re
         put(ctx, tcp_check_off, new)?;
         check = csum::replace2(check, old, new);
     }
-    put(ctx, q.inner_l4, port)?;
+    put(ctx, port_off, port)?;
     check = csum::replace2(check, old_port, port);
     put(ctx, check_off, check)
 }

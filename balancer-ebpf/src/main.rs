@@ -33,6 +33,7 @@ use balancer_common::{
 };
 
 use affinity::Hinted;
+use icmp_errors::Back;
 use maps::{
     allowed, count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS,
 };
@@ -70,9 +71,9 @@ fn tcp(ctx: *mut xdp_md) -> u32 {
     }
 }
 
-/// A packet that is not TCP: an ICMP error about a reply of one of our flows, from a router
-/// on the client's side, goes on to the flow's backend (see `icmp_errors`); anything else to
-/// the stack.
+/// A packet that is not TCP: an ICMP error about one of our flows' packets, from a router
+/// beyond the gateway, goes on to the end that sent the packet, translated back (see
+/// `icmp_errors`); anything else to the stack.
 #[inline(never)]
 fn icmp_error(ctx: *mut xdp_md) -> u32 {
     let ctx = &XdpContext::new(ctx);
@@ -82,7 +83,21 @@ fn icmp_error(ctx: *mut xdp_md) -> u32 {
     };
     let quoted = &quoted;
     let pkt = &quoted.pkt;
-    let (Some(vip), Some(entry)) = (VIPS.get_ptr(vip_of(pkt)), FLOWS.get_ptr_mut(pkt.key)) else {
+    let Some(vip) = VIPS.get_ptr(vip_of(pkt)) else {
+        // About a client's packet, sent to the client: the stack routes it there once its
+        // quote is what the client sent.
+        let Some((vip, ..)) = replied_flow(pkt) else {
+            count(Counter::PassNotTcp);
+            return XDP_PASS;
+        };
+        if icmp_errors::translate(ctx, quoted, &vip.addr, vip.port, Back::ToClient).is_err() {
+            count(Counter::PassMalformed);
+            return XDP_PASS;
+        }
+        count(Counter::IcmpToClient);
+        return XDP_PASS;
+    };
+    let Some(entry) = FLOWS.get_ptr_mut(pkt.key) else {
         count(Counter::PassNotTcp);
         return XDP_PASS;
     };
@@ -97,7 +112,8 @@ fn icmp_error(ctx: *mut xdp_md) -> u32 {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
     let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
-    if !dsr && icmp_errors::translate(ctx, quoted, &entry.nat_addr, entry.nat_port).is_err() {
+    let (addr, port) = (&entry.nat_addr, entry.nat_port);
+    if !dsr && icmp_errors::translate(ctx, quoted, addr, port, Back::ToBackend).is_err() {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
@@ -123,49 +139,55 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
         let vip = unsafe { *vip };
         return forward(ctx, pkt, &vip);
     }
+    if let Some((vip, flow, entry, now)) = replied_flow(pkt) {
+        // SAFETY: valid for this run; fields are written whole.
+        return reply(ctx, pkt, &vip, &flow, unsafe { &mut *entry }, now);
+    }
+    count(Counter::PassNotOurs);
+    XDP_PASS
+}
+
+/// The flow a packet from a backend belongs to (a reply, or what an ICMP error quotes as
+/// one), with its VIP, and the time it was looked up at. A client may reuse its port for
+/// another VIP the same backend serves while the first connection's entry lingers, closed
+/// or idle: the live flow is the packet's, and with none live, the one heard from last (a
+/// FIN's answer, or the last ACK of a closed flow, still needs the VIP).
+#[inline(always)]
+fn replied_flow(pkt: &Packet) -> Option<(VipKey, FlowKey, *mut FlowEntry, u64)> {
     let from = ReplyKey {
         addr: pkt.key.src,
         port: pkt.key.sport,
         family: pkt.key.family,
         _pad: 0,
     };
-    if let Some(replies) = REPLIES.get_ptr(from) {
-        let now = unsafe { bpf_ktime_get_coarse_ns() };
-        // A client may reuse its port for another VIP the same backend serves while the
-        // first connection's entry lingers, closed or idle: the live flow is the reply's,
-        // and with none live, the one heard from last.
-        let mut ended = None;
-        let mut last_seen = 0;
-        let mut i = 0;
-        while i < MAX_REPLY_VIPS {
-            // SAFETY: as above; the agent replaces values whole.
-            let vip = unsafe { (*replies).vips[i] };
-            if vip.family == 0 {
-                break;
-            }
-            if let Some((flow, entry)) = flow_of_reply(pkt, &vip) {
-                // SAFETY: valid for this run; fields are written whole.
-                let entry = unsafe { &mut *entry };
-                if entry.live_at(now) {
-                    return reply(ctx, pkt, &vip, &flow, entry, now);
-                }
-                if ended.is_none() || entry.last_seen_ns > last_seen {
-                    ended = Some(vip);
-                    last_seen = entry.last_seen_ns;
-                }
-            }
-            i += 1;
+    let replies = REPLIES.get_ptr(from)?;
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let mut ended = None;
+    let mut last_seen = 0;
+    let mut i = 0;
+    while i < MAX_REPLY_VIPS {
+        // SAFETY: a pointer from a successful lookup, valid for this program run; the agent
+        // replaces values whole.
+        let vip = unsafe { (*replies).vips[i] };
+        if vip.family == 0 {
+            break;
         }
-        // A FIN's answer, or the last ACK of a closed flow, still needs the VIP.
-        if let Some(vip) = ended {
-            if let Some((flow, entry)) = flow_of_reply(pkt, &vip) {
-                // SAFETY: as above.
-                return reply(ctx, pkt, &vip, &flow, unsafe { &mut *entry }, now);
+        if let Some((flow, entry)) = flow_of_reply(pkt, &vip) {
+            // SAFETY: valid for this run.
+            let e = unsafe { &*entry };
+            if e.live_at(now) {
+                return Some((vip, flow, entry, now));
+            }
+            if ended.is_none() || e.last_seen_ns > last_seen {
+                ended = Some(vip);
+                last_seen = e.last_seen_ns;
             }
         }
+        i += 1;
     }
-    count(Counter::PassNotOurs);
-    XDP_PASS
+    let vip = ended?;
+    let (flow, entry) = flow_of_reply(pkt, &vip)?;
+    Some((vip, flow, entry, now))
 }
 
 /// The flow `pkt`, from a backend, answers if it was sent to `vip`: its key and entry, when

@@ -1025,6 +1025,53 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
             Counter::IcmpToBackend,
         )?;
     }
+    // The other way: an error about the client's packet, from a router between the
+    // gateway and the backend, sent to the client, quoting the packet as the gateway sent
+    // it. Its quote goes back to what the client sent (to the VIP's address and port), and
+    // the stack routes it on; the error's own addresses, TTL and MACs stay.
+    for (what, quote) in [
+        ("whole", tx_out.bytes().len() - 14),
+        ("8 bytes of TCP", ip_hlen + 8),
+    ] {
+        let from_router = (MAC_SAME_LINK, MAC_G0, 64);
+        let error = icmp_error(
+            n.other,
+            n.client,
+            from_router,
+            &tx_out.bytes()[14..14 + quote],
+        );
+        let as_sent = tx_out.with(|f| {
+            f.dst = n.vip_tx;
+            f.dport = 8000;
+        });
+        let out = icmp_error(
+            n.other,
+            n.client,
+            from_router,
+            &as_sent.bytes()[14..14 + quote],
+        );
+        h.expect(
+            &format!("{fam} ICMP error about the client's packet quoting {what}"),
+            g0,
+            &error,
+            XDP_PASS,
+            &out,
+            Counter::IcmpToClient,
+        )?;
+    }
+    let stranger = tx_out.with(|f| f.sport = 40099).bytes();
+    h.expect_untouched(
+        &format!("{fam} ICMP error about another client's packet"),
+        g0,
+        &icmp_error(
+            n.other,
+            n.client,
+            (MAC_SAME_LINK, MAC_G0, 64),
+            &stranger[14..],
+        ),
+        XDP_PASS,
+        Counter::PassNotTcp,
+    )?;
     let stranger = reply.with(|f| f.dport = 40099).bytes();
     h.expect_untouched(
         &format!("{fam} ICMP error about another connection"),
