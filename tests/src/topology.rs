@@ -93,6 +93,8 @@ pub struct Topology {
     gw: Netns,
     gw2: Option<Netns>,
     far: Option<Netns>,
+    /// The router and the server of [`Topology::add_far_server`].
+    far_server: Vec<Netns>,
     sw: Netns,
     backends: Vec<Netns>,
     dir: TempDir,
@@ -118,6 +120,7 @@ impl Topology {
             gw: Netns::create("gw")?,
             gw2: None,
             far: None,
+            far_server: Vec::new(),
             sw: Netns::create("sw")?,
             backends: (0..BACKENDS)
                 .map(|i| Netns::create(&backend_name(i)))
@@ -264,6 +267,54 @@ impl Topology {
             ping(&far, address)?;
         }
         self.far = Some(far);
+        Ok(())
+    }
+
+    /// A server one router beyond the switch, `fs` (e0: 10.6.0.2 / fd00:6::2, running
+    /// `sse_server` on port 8000 as `far`), whose router `rt` (r0 on the switch: 10.4.0.50 /
+    /// fd00:4::50; r1: 10.6.0.1 / fd00:6::1) has MTU `mtu` on their link, the server 1500: a
+    /// hop narrower than both ends on the servers' side of the gateway. The clients' full-size
+    /// segments are too big for it, and the router says so in an ICMP error to their source,
+    /// the client, through the gateway. The gateway routes 10.6.0.0/24 and fd00:6::/64
+    /// through the router; the server answers the clients through it and the gateway.
+    pub fn add_far_server(&mut self, mtu: u32, sse_server: &Path) -> Result<()> {
+        let rt = Netns::create("rt")?;
+        let mut fs = Netns::create("fs")?;
+        veth(&rt, "r0", &self.sw, "sr")?;
+        ip(&self.sw, "link set sr master br0")?;
+        veth(&rt, "r1", &fs, "e0")?;
+        ip(&rt, &format!("link set r1 mtu {mtu}"))?;
+        forwarding(&rt, ["r0", "r1"])?;
+        add_addresses(&rt, "r0", "10.4.0.50/24", "fd00:4::50/64")?;
+        add_addresses(&rt, "r1", "10.6.0.1/24", "fd00:6::1/64")?;
+        add_addresses(&fs, "e0", "10.6.0.2/24", "fd00:6::2/64")?;
+        ip(&rt, "route add 10.9.0.0/24 via 10.4.0.1")?;
+        ip(&rt, "-6 route add fd00:9::/64 via fd00:4::1")?;
+        ip(&fs, "route add 10.9.0.0/24 via 10.6.0.1")?;
+        ip(&fs, "-6 route add fd00:9::/64 via fd00:6::1")?;
+        ip(&self.gw, "route add 10.6.0.0/24 via 10.4.0.50")?;
+        ip(&self.gw, "-6 route add fd00:6::/64 via fd00:4::50")?;
+        for (ns, address) in [
+            (&rt, "10.4.0.1"),
+            (&rt, "fd00:4::1"),
+            (&fs, "10.6.0.1"),
+            (&fs, "fd00:6::1"),
+        ] {
+            ping(ns, address)?;
+        }
+        let mut cmd = fs.command(sse_server);
+        cmd.args([
+            "--listen",
+            "10.6.0.2:8000",
+            "--listen",
+            "[fd00:6::2]:8000",
+            "--name",
+            "far",
+        ]);
+        let log = self.dir.path().join("far-sse-server.log");
+        fs.spawn("sse-server", cmd, &log)?
+            .wait_for_line(0, READY_TIMEOUT, |line| line.contains("listening on"))?;
+        self.far_server = vec![rt, fs];
         Ok(())
     }
 

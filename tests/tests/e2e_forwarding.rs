@@ -148,6 +148,58 @@ fn narrower_hop_beyond(topology: &mut Topology, agent: &Path) -> Result<()> {
     agent.stop()
 }
 
+/// A hop narrower than both ends on the servers' side of the gateway (a router between the
+/// switch and the server, at 1300 bytes): an upload's full-size segments are too big for
+/// it, and the router's ICMP error goes to their source, the client, quoting the segment as
+/// the gateway translated it (to the server). The program puts the VIP back into the quote,
+/// so that the client's path MTU discovery finds its connection; unchanged, the client
+/// would ignore it and the upload would stall.
+#[test]
+fn uploads_cross_a_narrower_hop_beyond_the_gateway() {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let mut topology = topology();
+    if let Err(e) = narrower_hop_beyond_to_servers(&mut topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
+}
+
+fn narrower_hop_beyond_to_servers(topology: &mut Topology, agent: &Path) -> Result<()> {
+    const UPLOAD: usize = 256 * 1024;
+    topology.add_far_server(1300, Path::new(SSE_SERVER))?;
+    let mut config = config(topology);
+    for (pool, far) in config.pools.iter_mut().zip(["10.6.0.2", "fd00:6::2"]) {
+        pool.servers.truncate(1);
+        pool.servers[0].address = far.parse()?;
+    }
+    let agent = Agent::start(topology, agent, &config)?;
+    for (family, port) in [(Family::V4, 49006), (Family::V6, 49007)] {
+        let sent_on = agent.counter("icmp_to_client")?;
+        let started = Instant::now();
+        let reply = topology
+            .client()
+            .enter(|| client::post_length(family.vip(), port, UPLOAD))
+            .with_context(|| format!("{family:?}: uploading {UPLOAD} bytes to the far server"))?;
+        let errors = agent.counter("icmp_to_client")? - sent_on;
+        println!(
+            "{family:?}: {UPLOAD} bytes uploaded to {} in {:?}, {errors} ICMP errors sent on to the client",
+            reply.backend,
+            started.elapsed()
+        );
+        ensure!(
+            reply.status == 200 && reply.body == format!("{UPLOAD}\n") && reply.backend == "far",
+            "{family:?}: {reply:?}"
+        );
+        ensure!(
+            errors > 0,
+            "{family:?}: no segment was too big: the test proves nothing"
+        );
+    }
+    agent.stop()
+}
+
 /// `xdp_mode = "generic"`: attached in the stack rather than the driver, the program
 /// forwards as in native mode, both ways, IPv4 and IPv6. The kernel does no GRO where a
 /// generic program runs, so however the interfaces' GRO is set, it sees segments as they
