@@ -26,8 +26,12 @@ pub fn bucket(vip: &VipInfo, pkt: &Packet) -> Option<u32> {
 
 /// What a hint bucket says about a connection.
 pub enum Hinted {
-    /// The home (place 0) or a warm alternate (place 1..) takes it.
-    Take(u32),
+    /// The home (place 0) or a warm alternate (place 1..) takes it; for a SYN, the bucket's
+    /// slot and the place, to [`record`] once the SYN is known to go out.
+    Take {
+        id: u32,
+        counted: Option<(u32, usize)>,
+    },
     /// A SYN whose home and warm alternates are all past their threshold: the weighted pick
     /// decides, unless the home has at least as much room. `slot` is the bucket's, for
     /// [`record`].
@@ -46,14 +50,19 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<Hinted> {
         return None;
     }
     if !syn {
-        return Some(Hinted::Take(home));
+        return Some(Hinted::Take {
+            id: home,
+            counted: None,
+        });
     }
     // A home whose load is unknown keeps its SYNs: nothing says it is full.
     let home_room = match room(home) {
         Some(r) if r <= 0 => r,
         _ => {
-            record(slot, Some(0));
-            return Some(Hinted::Take(home));
+            return Some(Hinted::Take {
+                id: home,
+                counted: Some((slot, 0)),
+            })
         }
     };
     let mut best_room = 0;
@@ -76,8 +85,10 @@ pub fn pick(vip: &VipInfo, bucket: u32, syn: bool) -> Option<Hinted> {
             slot,
         });
     }
-    record(slot, Some(chosen));
-    Some(Hinted::Take(candidates[chosen]))
+    Some(Hinted::Take {
+        id: candidates[chosen],
+        counted: Some((slot, chosen)),
+    })
 }
 
 /// Counts a hinted SYN in its bucket's statistics and the counters: which candidate took it

@@ -420,8 +420,15 @@ fn new_flow(
     if vip.live_backends == 0 {
         return Err(Counter::DropNoBackend);
     }
+    // A hinted SYN's bucket slot and place (None: the weighted pick), and whether an
+    // alternate took it from its Maglev pick: counted once it is known to go out.
+    let mut hinted = None;
+    let mut second = false;
     let id = match affinity::bucket(vip, pkt).and_then(|b| affinity::pick(vip, b, syn)) {
-        Some(Hinted::Take(id)) if present(id).is_some() => id,
+        Some(Hinted::Take { id, counted }) if present(id).is_some() => {
+            hinted = counted.map(|(slot, place)| (slot, Some(place)));
+            id
+        }
         Some(Hinted::Full {
             home,
             room: home_room,
@@ -429,13 +436,29 @@ fn new_flow(
         }) => {
             // Every candidate of the bucket is past its threshold: the home, which holds the
             // prefix, unless the weighted choice has more room.
-            let (id, room) = maglev(vip, &pkt.key, syn)?;
-            let home_wins = room.is_some_and(|r| home_room >= r) && present(home).is_some();
-            let id = if home_wins { home } else { id };
-            affinity::record(slot, home_wins.then_some(0));
-            id
+            let pick = maglev(vip, &pkt.key, syn)?;
+            let home_wins = pick.room.is_some_and(|r| home_room >= r) && present(home).is_some();
+            hinted = Some((slot, home_wins.then_some(0)));
+            second = pick.second && !home_wins;
+            if home_wins {
+                home
+            } else {
+                pick.id
+            }
         }
-        _ => maglev(vip, &pkt.key, syn)?.0,
+        other => {
+            // No hint, or one naming a server no longer configured: the weighted pick.
+            if let Some(Hinted::Take {
+                counted: Some((slot, _)),
+                ..
+            }) = other
+            {
+                hinted = Some((slot, None));
+            }
+            let pick = maglev(vip, &pkt.key, syn)?;
+            second = pick.second;
+            pick.id
+        }
     };
     let backend = present(id).ok_or(Counter::DropBadBackend)?;
     let mut entry = FlowEntry {
@@ -472,6 +495,12 @@ fn new_flow(
             }
             Err(no) => return Err(no.why),
         }
+    }
+    if let Some((slot, place)) = hinted {
+        affinity::record(slot, place);
+    }
+    if second {
+        count(Counter::MaglevSecond);
     }
     // The end of a connection whose entry is gone (expired, evicted): recorded closed, so
     // that the backend's answers are still translated, but neither counted opened nor, later,
@@ -534,21 +563,25 @@ fn new_flow(
 /// shortest of three queues. Anything else keeps the pick, the one every gateway and every
 /// restart agree on, and so does a SYN while its pick has room: a flow whose entry is lost
 /// most likely finds its backend again.
-/// Returns the backend and, for a SYN, its room (None: unknown).
 #[inline(always)]
-fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<(u32, Option<i64>), Counter> {
+fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<Pick, Counter> {
     let (slot, alternates) = draws(key);
     let id = match MAGLEV.get(vip.table * MAGLEV_SIZE + slot) {
         Some(&id) if id != 0 => id as u32,
         _ => return Err(Counter::DropNoBackend),
     };
+    let first = |room| Pick {
+        id,
+        room,
+        second: false,
+    };
     if !syn {
-        return Ok((id, None));
+        return Ok(first(None));
     }
     // Unknown load: nothing says the pick is full, nor that an alternate has room.
     let mut best = match room::room(id) {
-        None => return Ok((id, None)),
-        Some(r) if r > 0 => return Ok((id, Some(r))),
+        None => return Ok(first(None)),
+        Some(r) if r > 0 => return Ok(first(Some(r))),
         Some(r) => r,
     };
     let mut chosen = id;
@@ -566,10 +599,19 @@ fn maglev(vip: &VipInfo, key: &FlowKey, syn: bool) -> Result<(u32, Option<i64>),
         }
         i += 1;
     }
-    if chosen != id {
-        count(Counter::MaglevSecond);
-    }
-    Ok((chosen, Some(best)))
+    Ok(Pick {
+        id: chosen,
+        room: Some(best),
+        second: chosen != id,
+    })
+}
+
+/// [`maglev`]'s choice: the backend, for a SYN its room (None: unknown), and whether an
+/// alternate took it from the first draw.
+struct Pick {
+    id: u32,
+    room: Option<i64>,
+    second: bool,
 }
 
 /// Whether the agent marked backend `id` DOWN (its health checks failed).

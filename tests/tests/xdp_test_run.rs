@@ -411,6 +411,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             alternates_when_the_pick_has_no_room(&mut h, n, &config, &id)?;
             a_syn_leaves_a_down_server(&mut h, n, &config, &id)?;
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
+            dropped_dsr_syns_are_not_hinted(&mut h, n, &plan)?;
             sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
         Ok(())
@@ -1595,6 +1596,48 @@ fn kernel_picks_what_user_space_predicts(
         &stray,
         Counter::PassNotOurs,
     )?;
+    Ok(())
+}
+
+/// A hinted SYN to a DSR VIP that cannot be delivered (its server behind a router) is
+/// dropped, and neither its bucket's statistics nor the hint counters count it: the
+/// client's retries would count as hinted traffic the home never got. The same SYN to a
+/// DSR VIP that delivers it is counted.
+fn dropped_dsr_syns_are_not_hinted(h: &mut Harness, n: &Net, plan: &Plan) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let bucket = 5u16;
+    let sport = balancer_common::hint::HintRange::DEFAULT
+        .ports(bucket)
+        .next()
+        .context("bucket ports")?;
+    let hints = |h: &Harness| {
+        [Counter::HintHome, Counter::HintWarm, Counter::HintMaglev].map(|c| h.counter(c))
+    };
+    for (vip, verdict, counted) in [
+        (n.vip_dsr_routed, XDP_DROP, 0),
+        (n.vip_dsr, XDP_REDIRECT, 1),
+    ] {
+        let vip_plan = vip_in(plan, vip);
+        let home = vip_plan.members[0].1;
+        h.dp.set_bucket(
+            vip_plan.vip_id,
+            bucket,
+            &balancer_common::Bucket {
+                ids: [home, 0, 0, 0],
+            },
+        )?;
+        let (before, stats) = (hints(h), h.dp.bucket_stats(vip_plan.vip_id, bucket)?);
+        let (v, _) = h.run(h.g0, &client_syn(n, vip, sport).bytes())?;
+        let (after, now) = (hints(h), h.dp.bucket_stats(vip_plan.vip_id, bucket)?);
+        ensure!(v == verdict, "{fam} hinted DSR SYN to {vip}: verdict {v}");
+        ensure!(
+            after[0] == before[0] + counted
+                && after[1..] == before[1..]
+                && now.hinted == stats.hinted + counted
+                && now.picks[0] == stats.picks[0] + counted,
+            "{fam} hinted DSR SYN to {vip}: hint counters {before:?} -> {after:?}, bucket {stats:?} -> {now:?}"
+        );
+    }
     Ok(())
 }
 
