@@ -167,7 +167,8 @@ pub struct Pool {
     #[serde(default)]
     pub model: Option<String>,
     /// A file holding the bearer token the servers' API wants (their `--api-key`), sent with
-    /// every health check; read at start and at every reload (`health::api_keys`).
+    /// every health check and scrape; read at start and at every reload
+    /// (`health::api_keys`).
     #[serde(default)]
     pub api_key_file: Option<PathBuf>,
     /// Source ports that carry prefix hints, "FIRST-LAST" inclusive, or "off".

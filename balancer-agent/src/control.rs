@@ -88,6 +88,10 @@ pub struct ServerRow {
     pub metrics_age_ms: Option<u64>,
     pub scrape_error: Option<String>,
     pub health: String,
+    /// No good scrape for three scrape intervals, or none yet: the numbers are old, or none
+    /// (absent from an older agent's answer).
+    #[serde(default)]
+    pub stale: bool,
 }
 
 /// A pool's hint buckets that carried connections lately, most popular first.
@@ -133,7 +137,7 @@ impl DrainStatus {
     /// server, whose metrics may never come (it crashed, its port is blocked), no connection
     /// of ours left is enough.
     pub fn finished(&self) -> bool {
-        self.flows == 0 && (self.idle() || self.down)
+        self.flows == 0 && (self.idle() || (self.down && self.running.is_none()))
     }
 
     /// A scrape since the drain began found nothing running or waiting.
@@ -209,7 +213,7 @@ pub fn render(view: &PoolView) -> String {
     for s in &view.servers {
         if s.state == "DOWN" {
             let _ = writeln!(out, "{} is DOWN: {}", s.server, s.health);
-        } else if s.reason.starts_with("stale metrics") {
+        } else if s.stale {
             // Its numbers above are old, or none: the table alone would not say so.
             let age = s.metrics_age_ms.map_or("no scrape yet".into(), |ms| {
                 format!("last scrape {:.1} s ago", ms as f64 / 1000.0)
@@ -272,7 +276,8 @@ mod tests {
     use super::*;
 
     /// A drain ends when nothing runs or waits and no connection of ours is left; a DOWN
-    /// server's, whose metrics may never come, when no connection of ours is left.
+    /// server's whose metrics have not come since the drain began (and may never come), when
+    /// no connection of ours is left.
     #[test]
     fn a_drain_ends_without_metrics_only_when_down() {
         let status =
@@ -297,6 +302,8 @@ mod tests {
             !status(None, None, 2, true).finished(),
             "down, connections open"
         );
+        // DOWN, but a scrape since the drain began shows work (quiet DSR clients, say).
+        assert!(!status(Some(3.0), Some(0.0), 0, true).finished());
         // An older agent's answer has neither field.
         let old: DrainStatus =
             serde_json::from_str(r#"{"draining":true,"running":null,"flows":0}"#).unwrap();
@@ -319,6 +326,7 @@ mod tests {
             metrics_age_ms: None,
             scrape_error: None,
             health: String::new(),
+            stale: false,
         }
     }
 
@@ -336,12 +344,14 @@ mod tests {
                     ..row("10.4.0.12:8000", None, None, "DOWN")
                 },
                 ServerRow {
-                    reason: "stale metrics: 50% of the median server".into(),
+                    stale: true,
+                    reason: "draining".into(),
                     metrics_age_ms: Some(12_340),
                     scrape_error: Some("scrape 10.4.0.13:8001: cannot connect: refused".into()),
                     ..row("10.4.0.13:8000", None, None, "UP")
                 },
                 ServerRow {
+                    stale: true,
                     reason: "stale metrics: configured weight".into(),
                     ..row("10.4.0.15:8000", None, None, "UP")
                 },

@@ -893,6 +893,7 @@ impl Controller {
             );
         };
         let now = Instant::now();
+        let stale_after = self.scrape_interval() * STALE_INTERVALS;
         let servers = p
             .server
             .iter()
@@ -900,6 +901,7 @@ impl Controller {
                 let addr = SocketAddr::new(cfg.address, cfg.port);
                 let s = &self.servers[&(p.name.clone(), addr)];
                 ServerRow {
+                    stale: s.stale(now, stale_after),
                     server: addr.to_string(),
                     running: s.reading.as_ref().map(|r| r.running),
                     waiting: s.reading.as_ref().map(|r| r.waiting),

@@ -172,6 +172,9 @@ pub struct Dataplane {
     links: BTreeMap<String, Attached>,
     /// Attached interfaces found gone by [`Dataplane::relink`], said once.
     gone: BTreeSet<String>,
+    /// Interfaces [`Dataplane::relink`] found created again and has not attached to yet,
+    /// with their new index.
+    relinking: BTreeMap<String, u32>,
     /// `agent.xdp_mode`.
     xdp_mode: config::XdpMode,
     /// Interfaces whose pinned link this agent took over from an earlier one.
@@ -281,6 +284,7 @@ impl Dataplane {
             installed_replies: HashMap::new(),
             links: BTreeMap::new(),
             gone: BTreeSet::new(),
+            relinking: BTreeMap::new(),
             xdp_mode: config::XdpMode::Auto,
             taken_over: HashSet::new(),
             pins,
@@ -460,17 +464,23 @@ impl Dataplane {
         self.allow_egress(interfaces)?;
         for name in interfaces {
             let ifindex = interface_index(name)?;
-            match self.links.get(name) {
+            // The name may be another interface's now (deleted and created again, or renamed
+            // and replaced): the link we have, and its pin, are the old interface's. The
+            // link stays listed until a new one replaces it, so that a failed attach is
+            // retried.
+            let replaced = match self.links.get(name) {
                 Some(a) if a.ifindex == ifindex => continue,
-                // The kernel took the program off with the old interface; its link stays
-                // listed until a new one replaces it, so that a failed attach is retried.
-                Some(a) => {
-                    warn!(interface = %name, was = a.ifindex, now = ifindex, "the interface was created again; attaching anew")
-                }
-                None => {}
-            }
+                Some(_) => true,
+                None => false,
+            };
             let pinned = self.pins.as_ref().map(|p| p.link(name));
             let link = match pinned.filter(|p| p.exists()) {
+                Some(_) if replaced => {
+                    if let Some(pins) = &self.pins {
+                        pins.unpin_link(name)?;
+                    }
+                    self.attach_new(name)?
+                }
                 Some(pin) => match self.take_over(&pin) {
                     Ok(link) => {
                         info!(interface = %name, "took over the pinned link");
@@ -495,7 +505,8 @@ impl Dataplane {
                 None => self.attach_new(name)?,
             };
             if let Some(old) = self.links.insert(name.clone(), Attached { link, ifindex }) {
-                // Only our reference to a defunct link goes: there is nothing to detach from.
+                // Defunct with its deleted interface, or still on a renamed one, which the
+                // configuration no longer names: either way it goes.
                 self.program().detach(old.link).ok();
             }
         }
@@ -508,12 +519,14 @@ impl Dataplane {
     /// on the new ones would go to the stack. One that is gone waits for its return.
     pub fn relink(&mut self) -> Result<()> {
         let mut present = Vec::new();
-        let mut moved = false;
+        let mut moved = Vec::new();
         for (name, a) in &self.links {
             match interface_index(name) {
                 Ok(index) => {
                     present.push(name.clone());
-                    moved |= index != a.ifindex;
+                    if index != a.ifindex {
+                        moved.push((name.clone(), index));
+                    }
                     if self.gone.remove(name) {
                         info!(interface = %name, "the interface is back");
                     }
@@ -525,9 +538,26 @@ impl Dataplane {
                 }
             }
         }
-        if moved {
-            self.attach_more(&present)?;
-            self.set_egress(&present)?;
+        if moved.is_empty() {
+            return Ok(());
+        }
+        // Each on its own, so that one that keeps failing does not hold the others back.
+        let mut failed = Vec::new();
+        for (name, index) in moved {
+            // Said once for each new interface, however many tries it takes.
+            if self.relinking.insert(name.clone(), index) != Some(index) {
+                warn!(interface = %name, index, "the interface was created again; attaching anew");
+            }
+            match self.attach_more(std::slice::from_ref(&name)) {
+                Ok(()) => {
+                    self.relinking.remove(&name);
+                }
+                Err(e) => failed.push(format!("{name}: {e:#}")),
+            }
+        }
+        self.set_egress(&present)?;
+        if !failed.is_empty() {
+            bail!("{}", failed.join("; "));
         }
         Ok(())
     }
@@ -695,6 +725,7 @@ impl Dataplane {
     fn detach_one(&mut self, name: &str) -> Result<()> {
         self.taken_over.remove(name);
         self.gone.remove(name);
+        self.relinking.remove(name);
         if let Some(Attached { link, .. }) = self.links.remove(name) {
             // Unpinned first: the link goes when its last reference, ours, does.
             if let Some(pins) = &self.pins {

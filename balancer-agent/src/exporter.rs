@@ -198,6 +198,7 @@ mod tests {
             metrics_age_ms: Some(400),
             scrape_error: None,
             health: "ok".into(),
+            stale: false,
         }
     }
 

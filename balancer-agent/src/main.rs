@@ -374,7 +374,7 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             if status.idle() {
                 println!("drained: nothing running, no connection left");
             } else {
-                println!("drained: no connection left (the server is DOWN: its own counts are not waited for)");
+                println!("drained: no connection left (the server is DOWN and has not been scraped since the drain began)");
             }
             return Ok(());
         }

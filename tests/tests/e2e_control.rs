@@ -1485,6 +1485,29 @@ fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()>
                 && log.contains("the interface was created again"),
             "the agent did not say what happened to gx: {log}"
         );
+        // Renamed and replaced: the program follows the name and leaves the renamed one.
+        gw.ip(&["link", "set", "gx", "down"])?;
+        gw.ip(&["link", "set", "gx", "name", "gz"])?;
+        gw.ip(&["link", "add", "gx", "type", "veth", "peer", "name", "gw"])?;
+        gw.ip(&["link", "set", "gx", "up"])?;
+        let start = Instant::now();
+        let on = |dev: &str| -> Result<bool> {
+            Ok(gw.ip(&["-d", "link", "show", "dev", dev])?.contains("xdp"))
+        };
+        while !on("gx")? || on("gz")? {
+            ensure!(
+                start.elapsed() < Duration::from_secs(10),
+                "after gx was renamed gz and replaced: on gx {}, on gz {}: {}",
+                on("gx")?,
+                on("gz")?,
+                bed.log_since(mark)
+            );
+            std::thread::sleep(POLL);
+        }
+        println!(
+            "  gx renamed and replaced: on the new gx, off the old one in {:?}",
+            start.elapsed()
+        );
         let attached = bed.topology.gateway_xdp()?;
         ensure!(
             attached.len() == 2,
@@ -1494,7 +1517,10 @@ fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()>
     })();
     let config = bed.config.clone();
     let back = bed.agent.reload(&config);
-    gw.ip(&["link", "del", "gx"])?;
+    for dev in ["gx", "gz"] {
+        // Deleting one end of a pair deletes both; either may be gone already.
+        gw.ip(&["link", "del", dev]).ok();
+    }
     result.and(back)
 }
 
