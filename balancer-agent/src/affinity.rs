@@ -57,9 +57,9 @@ fn score(bucket: u16, m: &Member) -> f64 {
 /// `spill_waiting` others: its free slots, less what is already waiting and what arrived
 /// since the scrape. Negative when more than that already wait: by how many, so that the
 /// program can still tell the least loaded of servers that are all past the threshold. At
-/// most zero when the server is saturated (or recovering from it) on TTFT or KV: it then
-/// counts as full, no better than a server with no free slot and no worse than one with a
-/// queue. A free slot starts a request at once while TTFT is a lagging signal, and a server
+/// most zero when the server is held (saturated on its queue, TTFT or KV, or not UP, in the
+/// last two scrape intervals): it then counts as full, no better than a server with no free
+/// slot and no worse than one with a queue. A free slot starts a request at once while TTFT is a lagging signal, and a server
 /// whose KV memory holds back admissions shows it in its own waiting count. The agent writes
 /// such a budget held (`LOAD_F_HELD`), so that connections closing on the server before the
 /// next budget do not give it room.

@@ -142,8 +142,8 @@ pub struct BackendLoad {
     pub flags: u32,
 }
 
-/// `BackendLoad::flags`: the backend is saturated on TTFT or KV, or recovering from it
-/// (`budget` is then at most 0). Connections that close on it give no room back until the
+/// `BackendLoad::flags`: the backend is saturated (queue, TTFT or KV) or not UP, or was so in
+/// the last two scrape intervals (`budget` is then at most 0). Connections that close on it give no room back until the
 /// agent says otherwise: a closed stream frees a slot, not the latency or memory that made
 /// it saturated.
 pub const LOAD_F_HELD: u32 = 1;
@@ -466,7 +466,7 @@ pub enum Counter {
     FlowNewMidstream,
     /// An entry past its idle timeout was replaced.
     FlowExpired,
-    /// A SYN reused the tuple of a closed flow.
+    /// A SYN reused the tuple of a closed flow, or of one whose backend is DOWN.
     FlowReopened,
     /// The flow table refused an insert; the packet is still forwarded.
     FlowInsertFailed,
@@ -480,7 +480,7 @@ pub enum Counter {
     PassFibOther,
     /// Rewritten, then passed to the stack: longer than the egress MTU, and an IPv4 packet
     /// that may be fragmented (the stack fragments it), or longer than its ingress interface
-    /// carries (coalesced by GRO before a program in generic mode: the stack splits it).
+    /// carries (a local sender's segmentation offload over veth: the stack splits it).
     /// Others are answered here (`TooBigAnswered`); VLAN-tagged ones count `PassVlan`.
     PassTooBig,
     /// Rewritten, then passed to the stack: a VLAN-tagged frame leaves through a VLAN
