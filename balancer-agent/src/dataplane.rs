@@ -16,7 +16,8 @@ use std::{
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     maps::{
-        Array, DevMapHash, HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuValues, RingBuf,
+        Array, DevMapHash, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray,
+        PerCpuValues, RingBuf,
     },
     programs::{
         links::{FdLink, PinnedLink},
@@ -25,6 +26,7 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
+use aya_obj::generated::BPF_NOEXIST;
 use balancer_common::{
     bucket_slot, hint::HintRange, sync_epoch, Allowance, Backend, BackendLoad, BackendStats,
     Bucket, BucketStats, Counter, FlowEntry, FlowKey, Limit, NextHop, Replies, ReplyKey, VipInfo,
@@ -874,13 +876,27 @@ impl Dataplane {
     pub fn adopt_flow(
         &mut self,
         key: &FlowKey,
-        (id, addr, port): (u32, [u32; 4], u16),
+        backend: (u32, [u32; 4], u16),
         idle_timeout_s: u32,
         kind: Kind,
     ) -> Result<bool> {
+        let current = self.flows.get(key, 0).ok();
+        self.adopt_flow_over(key, backend, idle_timeout_s, kind, current)
+    }
+
+    /// [`Dataplane::adopt_flow`] decided on `current`, the table's entry for the tuple as
+    /// read a moment before: where there was none, an entry the program has inserted since
+    /// (a SYN that came here meanwhile) is not overwritten.
+    pub fn adopt_flow_over(
+        &mut self,
+        key: &FlowKey,
+        (id, addr, port): (u32, [u32; 4], u16),
+        idle_timeout_s: u32,
+        kind: Kind,
+        current: Option<FlowEntry>,
+    ) -> Result<bool> {
         let now = monotonic_ns();
         let synced = sync_epoch(now);
-        let current = self.flows.get(key, 0).ok();
         let same =
             current.filter(|e| e.backend_id == id && e.nat_addr == addr && e.nat_port == port);
         let live = current.filter(|e| e.live_at(now));
@@ -937,10 +953,18 @@ impl Dataplane {
                 None => return Ok(false),
             },
         };
-        self.flows
-            .insert(key, entry, 0)
-            .context("writing a shared flow")?;
-        Ok(true)
+        let flags = if current.is_none() {
+            u64::from(BPF_NOEXIST)
+        } else {
+            0
+        };
+        match self.flows.insert(key, entry, flags) {
+            Ok(()) => Ok(true),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                Ok(false)
+            }
+            Err(e) => Err(e).context("writing a shared flow"),
+        }
     }
 
     /// `adopted`, over `current`: a connection this gateway opened and did not see close

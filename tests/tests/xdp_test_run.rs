@@ -2974,6 +2974,19 @@ fn adopted(
         &data.with(|f| f.dst = theirs).bytes(),
         Counter::PassNoNeigh,
     )?;
+    // A report decided on the table as read just before the program placed a SYN on the
+    // tuple here (no entry then): the program's entry stays.
+    let raced = multi_key(n, sport + 1);
+    let (v, _) = h.run(g0, &client_syn(n, n.vip_multi, sport + 1).bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: SYN verdict {v}");
+    let placed = h.dp.flow_table().get(&raced, 0)?.backend_id;
+    let peer_pick = if placed == id(theirs) { other } else { theirs };
+    ensure!(
+        !h.dp
+            .adopt_flow_over(&raced, target(peer_pick), 600, Kind::Open, None)?
+            && h.dp.flow_table().get(&raced, 0)?.backend_id == placed,
+        "{fam}: a report overwrote an entry the program placed after the report's read"
+    );
     // What other reports may do to it.
     let at = |h: &mut Harness| -> Result<IpAddr> {
         let e = h.dp.flow_table().get(&key, 0)?;
