@@ -275,14 +275,16 @@ fn header(
          five times lower) and ours was ahead of both: 0.52 ms against 0.57 (nftables) and 0.68 \
          (HAProxy). At 13:31 the machine was slower again (every figure of that run below the \
          08:55 one: packet costs about 1.6 times as high, connections per second a third lower) \
-         and ours trailed nftables by 5% (2.72 against 2.59 ms), ahead of HAProxy (4.29). The p50 \
-         is steady, within a few percent of nftables (0.372 against 0.364 ms \
+         and ours trailed nftables by 5% (2.72 against 2.59 ms), ahead of HAProxy (4.29). At \
+         16:18 ours was ahead of both again: 1.30 ms against 1.52 (nftables) and 2.85 \
+         (HAProxy). The p50 is steady, within a few percent of nftables (0.372 against 0.364 ms \
          at 03:47, ahead at 00:39 and at 06:05).\n\
          - bulk throughput, where it is missed: ours and nftables are about level (at 08:55 \
          ours led nftables in three rounds of five, from 1.62 to 2.47 Gbit/s, yet its median \
-         was 14% lower), and HAProxy led in the last seven runs (by 19% at 18:34 on 2026-12-01, \
+         was 14% lower), and HAProxy led in the last eight runs (by 19% at 18:34 on 2026-12-01, \
          by 28% and in every round at 21:29, by 11% at 00:39 on 2026-12-02, by 24% at 03:47, by \
-         14% at 06:05, by 48% at 08:55, by 22% at 13:31, when ours trailed nftables by 2%), where \
+         14% at 06:05, by 48% at 08:55, by 22% at 13:31, when ours trailed nftables by 2%, by 23% \
+         at 16:18, when ours trailed nftables by 3%), where \
          ours had led it by 5% on 2026-11-30 (per-round \
          table in section 2). GRO is off on these veth links (veth's default), so nftables \
          forwards every 1500-byte frame as the XDP program does, and HAProxy relays between two \
@@ -298,13 +300,16 @@ fn header(
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
          is the sixth slowest: the same policy's p99 moves by more than a second between runs \
          (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29, 4.3 s at \
-         08:55 and at 13:31 on 2026-12-02).\n\
+         08:55 and at 13:31, 3.4 s at 16:18 on 2026-12-02, when it was the lowest of the five \
+         policies in the tight cache and second to round-robin's in the roomy one).\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
          runs (at 08:55, tight cache, hints trailed least-connections by 0.7 points and \
          round-robin by 0.1; roomy, they led every policy; at 13:31 the other way round: tight, \
-         hints led every policy by 2.5 points or more; roomy, they trailed random by 0.4).\n\n",
+         hints led every policy by 2.5 points or more; roomy, they trailed random by 0.4; at 16:18 \
+         tight, hints led every policy by 1.9 points or more; roomy, all five policies were \
+         within 0.6 points, hints 0.06 behind least-connections and 0.13 behind random).\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
