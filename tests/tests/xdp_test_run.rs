@@ -2572,20 +2572,6 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
                     Counter::PassMalformed,
                 )?;
             }
-            let mut bad = full.clone();
-            bad[14 + 20 + 12] = 0x40; // TCP data offset 4
-            same(h, "TCP data offset < 5", bad, Counter::PassMalformed)?;
-            let mut bad = full.clone();
-            bad[14 + 20 + 12] = 0xf0; // 60 bytes of header in a shorter segment
-            same(
-                h,
-                "TCP data offset past the segment",
-                bad,
-                Counter::PassMalformed,
-            )?;
-            let mut bad = full.clone();
-            bad[14] = 0x65; // version 6 under the IPv4 EtherType
-            same(h, "IP version 6 as IPv4", bad, Counter::PassMalformed)?;
         }
         (IpAddr::V6(_), IpAddr::V6(_)) => {
             // A hop-by-hop header (PadN) between IPv6 and TCP.
@@ -2596,20 +2582,6 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
             b.extend_from_slice(&[6, 0, 1, 4, 0, 0, 0, 0]);
             b.extend_from_slice(&full[54..]);
             same(h, "IPv6 hop-by-hop header", b, Counter::PassIpv6ExtHeader)?;
-            let mut bad = full.clone();
-            bad[14 + 40 + 12] = 0x40;
-            same(h, "TCP data offset < 5", bad, Counter::PassMalformed)?;
-            let mut bad = full.clone();
-            bad[14 + 40 + 12] = 0xf0;
-            same(
-                h,
-                "TCP data offset past the segment",
-                bad,
-                Counter::PassMalformed,
-            )?;
-            let mut bad = full.clone();
-            bad[14] = 0x45; // version 4 under the IPv6 EtherType
-            same(h, "IP version 4 as IPv6", bad, Counter::PassMalformed)?;
             for (next, name) in [
                 (43, "routing"),
                 (44, "fragment"),
@@ -2628,6 +2600,31 @@ fn passing(h: &mut Harness, n: &Net) -> Result<()> {
         }
         _ => unreachable!(),
     }
+
+    // TCP data offset 4, and 60 bytes of header in a shorter segment.
+    let (l4, other_version) = if n.client.is_ipv4() {
+        (14 + 20, 0x65)
+    } else {
+        (14 + 40, 0x45)
+    };
+    for (offset, what) in [(0x40, "< 5"), (0xf0, "past the segment")] {
+        let mut bad = full.clone();
+        bad[l4 + 12] = offset;
+        same(
+            h,
+            &format!("TCP data offset {what}"),
+            bad,
+            Counter::PassMalformed,
+        )?;
+    }
+    let mut bad = full.clone();
+    bad[14] = other_version;
+    same(
+        h,
+        "the other IP version under the EtherType",
+        bad,
+        Counter::PassMalformed,
+    )?;
 
     // Every cut of a SYN with options, from nothing to one byte short of its headers.
     for len in 0..full.len() {
