@@ -60,17 +60,10 @@ fn ipv6_vip() {
 /// the client ignores, and the upload would stall.
 #[test]
 fn uploads_cross_a_narrower_hop() {
-    let _serial = serial();
-    let agent = agent_binary().unwrap();
-    let topology = topology();
-    if let Err(e) = narrower_hop(&topology, &agent) {
-        panic!("{e:?}");
-    }
-    drop(topology);
-    check_nothing_remains().unwrap();
+    on_topology(narrower_hop);
 }
 
-fn narrower_hop(topology: &Topology, agent: &Path) -> Result<()> {
+fn narrower_hop(topology: &mut Topology, agent: &Path) -> Result<()> {
     const UPLOAD: usize = 256 * 1024;
     let config = config(topology);
     let agent = Agent::start(topology, agent, &config)?;
@@ -93,14 +86,7 @@ fn narrower_hop(topology: &Topology, agent: &Path) -> Result<()> {
 /// sends smaller segments; the stack would drop it, and the download would stall.
 #[test]
 fn downloads_cross_a_narrower_hop_beyond_the_gateway() {
-    let _serial = serial();
-    let agent = agent_binary().unwrap();
-    let mut topology = topology();
-    if let Err(e) = narrower_hop_beyond(&mut topology, &agent) {
-        panic!("{e:?}");
-    }
-    drop(topology);
-    check_nothing_remains().unwrap();
+    on_topology(narrower_hop_beyond);
 }
 
 fn narrower_hop_beyond(topology: &mut Topology, agent: &Path) -> Result<()> {
@@ -127,14 +113,7 @@ fn narrower_hop_beyond(topology: &mut Topology, agent: &Path) -> Result<()> {
 /// would ignore it and the upload would stall.
 #[test]
 fn uploads_cross_a_narrower_hop_beyond_the_gateway() {
-    let _serial = serial();
-    let agent = agent_binary().unwrap();
-    let mut topology = topology();
-    if let Err(e) = narrower_hop_beyond_to_servers(&mut topology, &agent) {
-        panic!("{e:?}");
-    }
-    drop(topology);
-    check_nothing_remains().unwrap();
+    on_topology(narrower_hop_beyond_to_servers);
 }
 
 fn narrower_hop_beyond_to_servers(topology: &mut Topology, agent: &Path) -> Result<()> {
@@ -163,17 +142,10 @@ fn narrower_hop_beyond_to_servers(topology: &mut Topology, agent: &Path) -> Resu
 /// came, whose checksums it can translate.
 #[test]
 fn generic_mode_forwards_with_gro_on() {
-    let _serial = serial();
-    let agent = agent_binary().unwrap();
-    let topology = topology();
-    if let Err(e) = generic_mode(&topology, &agent) {
-        panic!("{e:?}");
-    }
-    drop(topology);
-    check_nothing_remains().unwrap();
+    on_topology(generic_mode);
 }
 
-fn generic_mode(topology: &Topology, agent: &Path) -> Result<()> {
+fn generic_mode(topology: &mut Topology, agent: &Path) -> Result<()> {
     const UPLOAD: usize = 1 << 20;
     let gw = topology.gw();
     for dev in GATEWAY_INTERFACES {
@@ -264,6 +236,20 @@ fn config(topology: &Topology) -> AgentConfig {
     let mut config = AgentConfig::gateway(topology, WEIGHTS);
     config.agent.health_interval_ms = Some(600_000);
     config
+}
+
+/// Runs `scenario` on a topology of its own with the agent's binary, panicking with its
+/// error while the topology is alive (it then prints every process's log), and checks that
+/// nothing is left behind.
+fn on_topology(scenario: fn(&mut Topology, &Path) -> Result<()>) {
+    let _serial = serial();
+    let agent = agent_binary().unwrap();
+    let mut topology = topology();
+    if let Err(e) = scenario(&mut topology, &agent) {
+        panic!("{e:?}");
+    }
+    drop(topology);
+    check_nothing_remains().unwrap();
 }
 
 fn topology() -> Topology {
