@@ -399,6 +399,12 @@ impl Controller {
         Duration::from_millis(self.config.agent.scrape_interval_ms)
     }
 
+    /// How old a server's metrics may be before they say nothing any more: its numbers, a
+    /// TTFT, and the scrape a TTFT difference starts from.
+    fn stale_after(&self) -> Duration {
+        self.scrape_interval() * STALE_INTERVALS
+    }
+
     /// Counters are folded into the picture this often between scrapes, so that a burst of
     /// new connections weighs before the next scrape shows it.
     pub fn fold_interval(&self) -> Duration {
@@ -430,7 +436,7 @@ impl Controller {
         &mut self,
         results: Vec<(ScrapeTarget, Result<Reading, crate::scrape::ScrapeError>)>,
     ) {
-        let ttft_life = self.scrape_interval() * STALE_INTERVALS;
+        let ttft_life = self.stale_after();
         for (target, result) in results {
             let Some(s) = self.servers.get_mut(&target.key) else {
                 continue; // removed by a reload meanwhile
@@ -466,7 +472,7 @@ impl Controller {
     /// Reads the program's per-backend counters and decides again.
     pub fn fold(&mut self) {
         let now = Instant::now();
-        let ttft_life = self.scrape_interval() * STALE_INTERVALS;
+        let ttft_life = self.stale_after();
         for s in self.servers.values_mut() {
             if s.ttft_at.is_some_and(|t| now.duration_since(t) > ttft_life) {
                 s.ttft_ms = None;
@@ -490,7 +496,7 @@ impl Controller {
     fn refresh(&mut self, force: bool) {
         let force = force || self.write_failed;
         let now = Instant::now();
-        let stale_after = self.scrape_interval() * STALE_INTERVALS;
+        let stale_after = self.stale_after();
         let mut changed = false;
         for pool in &self.config.pool {
             let keys: Vec<ServerKey> = pool
@@ -573,7 +579,7 @@ impl Controller {
         let now = Instant::now();
         let hold = self.scrape_interval() * 2;
         let idle = self.scrape_interval() * 30;
-        let stale_after = self.scrape_interval() * STALE_INTERVALS;
+        let stale_after = self.stale_after();
         for pool in &self.config.pool {
             let mut members = Vec::new();
             let mut loads = Vec::new();
@@ -727,7 +733,7 @@ impl Controller {
         let (fall, rise) = (self.config.agent.fall, self.config.agent.rise);
         let hung_after = Duration::from_millis(self.config.agent.hung_after_ms);
         let now = Instant::now();
-        let stale_after = self.scrape_interval() * STALE_INTERVALS;
+        let stale_after = self.stale_after();
         let slots_of: HashMap<&str, Option<u32>> = self
             .config
             .pool
@@ -893,7 +899,7 @@ impl Controller {
             );
         };
         let now = Instant::now();
-        let stale_after = self.scrape_interval() * STALE_INTERVALS;
+        let stale_after = self.stale_after();
         let servers = p
             .server
             .iter()

@@ -1456,10 +1456,11 @@ fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()>
     let mut with_gx = bed.config.clone();
     with_gx.agent.interfaces.push("gx".to_owned());
     bed.agent.reload(&with_gx)?;
-    let on_gx =
-        || -> Result<bool> { Ok(gw.ip(&["-d", "link", "show", "dev", "gx"])?.contains("xdp")) };
+    let on = |dev: &str| -> Result<bool> {
+        Ok(gw.ip(&["-d", "link", "show", "dev", dev])?.contains("xdp"))
+    };
     let result = (|| {
-        ensure!(on_gx()?, "a reload adding gx did not attach to it");
+        ensure!(on("gx")?, "a reload adding gx did not attach to it");
         let mark = bed.agent.log().len() as u64;
         gw.ip(&["link", "del", "gx"])?;
         // Gone for longer than the agent's look: it waits for the interface's return.
@@ -1467,7 +1468,7 @@ fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()>
         gw.ip(&pair)?;
         gw.ip(&["link", "set", "gx", "up"])?;
         let start = Instant::now();
-        while !on_gx()? {
+        while !on("gx")? {
             ensure!(
                 start.elapsed() < Duration::from_secs(10),
                 "gx created again has no program after 10 s: {}",
@@ -1491,9 +1492,6 @@ fn an_interface_created_again_gets_the_program_back(bed: &mut Bed) -> Result<()>
         gw.ip(&["link", "add", "gx", "type", "veth", "peer", "name", "gw"])?;
         gw.ip(&["link", "set", "gx", "up"])?;
         let start = Instant::now();
-        let on = |dev: &str| -> Result<bool> {
-            Ok(gw.ip(&["-d", "link", "show", "dev", dev])?.contains("xdp"))
-        };
         while !on("gx")? || on("gz")? {
             ensure!(
                 start.elapsed() < Duration::from_secs(10),
