@@ -10,7 +10,7 @@ use std::{
 };
 
 use balancer_common::{
-    hint::{HintRange, DEFAULT_HINT_BUCKETS},
+    hint::{HintRange, HintRangeError, DEFAULT_HINT_BUCKETS, MAX_HINT_BUCKETS},
     DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_INTERFACES, MAX_REPLY_VIPS,
     MAX_VIPS,
 };
@@ -214,7 +214,16 @@ impl Pool {
 
 fn parse_hint_range(ports: &str, buckets: u16) -> Result<Option<HintRange>, String> {
     if ports == "off" {
-        return Ok(None);
+        // Unused, but a value out of range is a mistake all the same.
+        let unusable = match buckets {
+            0 => Some(HintRangeError::NoBuckets),
+            b if b > MAX_HINT_BUCKETS => Some(HintRangeError::TooManyBuckets),
+            _ => None,
+        };
+        return match unusable {
+            Some(e) => Err(format!("hint_buckets = {buckets}: {}", e.message())),
+            None => Ok(None),
+        };
     }
     let bad = || format!("{ports:?} is not \"FIRST-LAST\" (e.g. \"16384-32767\") or \"off\"");
     let (first, last) = ports.split_once('-').ok_or_else(bad)?;
@@ -343,8 +352,21 @@ fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
     }
     let mut seen = HashSet::new();
     for peer in &sync.peers {
-        if peer.port() == 0 || peer.ip().is_unspecified() {
+        // One datagram to each peer: none can go to a group or to everyone.
+        let group =
+            peer.ip().is_multicast() || matches!(peer.ip(), IpAddr::V4(v4) if v4.is_broadcast());
+        if peer.port() == 0 || peer.ip().is_unspecified() || group {
             return Err(("sync.peers".into(), format!("{peer} cannot be a peer")));
+        }
+        // The kernel sends nothing from a loopback address to another host.
+        if sync.listen.ip().is_loopback() && !peer.ip().is_loopback() {
+            return Err((
+                "sync.peers".into(),
+                format!(
+                    "{peer} is not reachable from sync.listen's loopback address {}",
+                    sync.listen.ip()
+                ),
+            ));
         }
         // Datagrams to it leave from sync.listen's address.
         if peer.is_ipv4() != sync.listen.is_ipv4() {
@@ -464,6 +486,10 @@ impl Config {
                 ));
             }
         }
+        // With port 0 the kernel would pick one, and no scraper would know it.
+        if a.metrics_listen.is_some_and(|m| m.port() == 0) {
+            return Err(("agent.metrics_listen".into(), "needs a port".into()));
+        }
         if let Some(sync) = &self.sync {
             validate_sync(sync)?;
         }
@@ -535,8 +561,8 @@ impl Config {
             if p.port == 0 {
                 return Err((at("port"), "must be 1-65535".into()));
             }
-            if !is_routable(p.vip) {
-                return Err((at("vip"), format!("{} cannot be a VIP", p.vip)));
+            if let Some(problem) = unroutable(p.vip) {
+                return Err((at("vip"), format!("{} cannot be a VIP: {problem}", p.vip)));
             }
             if !vips.insert((p.vip, p.port)) {
                 return Err((
@@ -599,8 +625,11 @@ impl Config {
                         format!("{} is not of the VIP's family ({})", s.address, p.vip),
                     ));
                 }
-                if !is_routable(s.address) {
-                    return Err((at("address"), format!("{} cannot be a server", s.address)));
+                if let Some(problem) = unroutable(s.address) {
+                    return Err((
+                        at("address"),
+                        format!("{} cannot be a server: {problem}", s.address),
+                    ));
                 }
                 if s.port == 0 {
                     return Err((at("port"), "must be 1-65535".into()));
@@ -646,11 +675,19 @@ impl Config {
     }
 }
 
-fn is_routable(a: IpAddr) -> bool {
-    !(a.is_unspecified()
-        || a.is_loopback()
-        || a.is_multicast()
-        || matches!(a, IpAddr::V4(v4) if v4.is_broadcast()))
+/// Why packets to `a` cannot be balanced, if they cannot.
+fn unroutable(a: IpAddr) -> Option<&'static str> {
+    match a {
+        // No IPv4 packet carries it: the pool would receive nothing.
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
+            Some("an IPv4-mapped IPv6 address (write the IPv4 address)")
+        }
+        a if a.is_unspecified() => Some("unspecified"),
+        a if a.is_loopback() => Some("loopback"),
+        a if a.is_multicast() => Some("multicast"),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("broadcast"),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -794,6 +831,21 @@ metrics_port = 8001
             ),
             ("vip = \"192.0.2.60\"", "vip = \"0.0.0.0\"", "pool[0].vip"),
             (
+                "vip = \"192.0.2.60\"",
+                "vip = \"::ffff:192.0.2.60\"",
+                "IPv4-mapped",
+            ),
+            (
+                "address = \"10.4.0.11\"",
+                "address = \"127.0.0.1\"",
+                "pool[0].server[0].address",
+            ),
+            (
+                "interfaces = [\"eth0\", \"eth1\"]",
+                "interfaces = [\"eth0\", \"eth1\"]\nmetrics_listen = \"127.0.0.1:0\"",
+                "agent.metrics_listen",
+            ),
+            (
                 "port = 8000\n\n[[pool.server]]",
                 "port = 0\n\n[[pool.server]]",
                 "pool[0].port",
@@ -906,6 +958,17 @@ metrics_port = 8001
                 "peers = [\"10.0.0.2:7471\", \"[fd00::2]:7471\"]",
                 "not of sync.listen's address family",
             ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"239.1.1.1:7471\"]",
+                "cannot be a peer",
+            ),
+            (
+                "peers = [\"10.0.0.2:7471\"]",
+                "peers = [\"255.255.255.255:7471\"]",
+                "cannot be a peer",
+            ),
+            ("10.0.0.1:7471", "127.0.0.1:7471", "not reachable from sync.listen's loopback"),
             ("10.0.0.1:7471", "10.0.0.1:0", "needs a port"),
             ("10.0.0.1:7471", "0.0.0.0:7471", "not a wildcard"),
             (
@@ -974,6 +1037,11 @@ metrics_port = 8001
                 "fewer ports than there are buckets",
             ),
             ("hint_buckets = 0", "at least 1"),
+            ("hint_ports = \"off\"\nhint_buckets = 0", "at least 1"),
+            (
+                "hint_ports = \"off\"\nhint_buckets = 5000",
+                "maximum of 1024",
+            ),
             ("hint_buckets = 5000", "maximum of 1024"),
             ("hint_ports = \"0-100\"\nhint_buckets = 4", "port 0"),
             ("slots = 0", "pool[0].slots"),

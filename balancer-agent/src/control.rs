@@ -146,8 +146,18 @@ impl DrainStatus {
     }
 }
 
-/// Sends one request to the agent listening on `socket`.
-pub fn call(socket: &Path, request: &Request) -> Result<Response> {
+/// A drain status waits for a walk of the flow table (about 45 s for the largest), or for
+/// the one already running; anything else is answered at once.
+pub fn answer_wait(request: &Request) -> Duration {
+    match request {
+        Request::DrainStatus { .. } => Duration::from_secs(180),
+        _ => Duration::from_secs(30),
+    }
+}
+
+/// Sends one request to the agent listening on `socket`, and waits up to `wait` for the
+/// answer (see [`answer_wait`]).
+pub fn call(socket: &Path, request: &Request, wait: Duration) -> Result<Response> {
     let mut stream = UnixStream::connect(socket).map_err(|e| {
         use std::io::ErrorKind::{ConnectionRefused, NotFound};
         match e.kind() {
@@ -158,12 +168,6 @@ pub fn call(socket: &Path, request: &Request) -> Result<Response> {
             _ => anyhow::anyhow!("connecting to {}: {e}", socket.display()),
         }
     })?;
-    // A drain status waits for a walk of the flow table (about 45 s for the largest), or for
-    // the one already running; anything else is answered at once.
-    let wait = match request {
-        Request::DrainStatus { .. } => Duration::from_secs(180),
-        _ => Duration::from_secs(30),
-    };
     stream.set_read_timeout(Some(wait))?;
     let mut line = serde_json::to_string(request)?;
     line.push('\n');
@@ -438,7 +442,12 @@ mod tests {
 
     #[test]
     fn no_agent_is_one_clear_line() {
-        let err = call(Path::new("/nonexistent/agent.sock"), &Request::Counters).unwrap_err();
+        let err = call(
+            Path::new("/nonexistent/agent.sock"),
+            &Request::Counters,
+            Duration::from_secs(1),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             "no agent is running (nothing listens on /nonexistent/agent.sock)"

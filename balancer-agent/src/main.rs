@@ -7,7 +7,7 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_agent::{
     config::{Config, Forwarding, DEFAULT_CONTROL_SOCKET},
-    control::{call, render, render_buckets, Request, Response},
+    control::{answer_wait, call, render, render_buckets, Request, Response},
 };
 use clap::{Parser, Subcommand};
 
@@ -71,8 +71,8 @@ enum Command {
         /// Return only when the server runs nothing and no connection of ours remains.
         #[arg(long)]
         wait: bool,
-        /// Give up waiting after this many seconds (at most a year).
-        #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
+        /// With `--wait`: give up waiting after this many seconds (at most a year).
+        #[arg(long, default_value_t = 3600, requires = "wait", value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         timeout: u64,
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
@@ -137,7 +137,11 @@ fn main() -> ExitCode {
 
 /// An answer that is not an error.
 fn ask(socket: &Path, request: &Request) -> Result<Response> {
-    match call(socket, request)? {
+    ask_within(socket, request, answer_wait(request))
+}
+
+fn ask_within(socket: &Path, request: &Request, wait: Duration) -> Result<Response> {
+    match call(socket, request, wait)? {
         Response::Error { message } => bail!("{message}"),
         r => Ok(r),
     }
@@ -157,7 +161,8 @@ fn execute(command: Command) -> Result<()> {
                     config.display()
                 );
             };
-            if call(&c.agent.control_socket, &Request::Counters).is_ok() {
+            let probe = Request::Counters;
+            if call(&c.agent.control_socket, &probe, answer_wait(&probe)).is_ok() {
                 bail!(
                     "an agent answers on {}: stop it first (it holds the links)",
                     c.agent.control_socket.display()
@@ -181,6 +186,7 @@ fn execute(command: Command) -> Result<()> {
         Command::Check { config } => {
             let c = Config::load(&config)?;
             // What `run` would fail on, without starting.
+            balancer_agent::run::require_interfaces(&c)?;
             if let Some(s) = &c.sync {
                 balancer_agent::sync::Keys::load(s)?;
             }
@@ -364,7 +370,16 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
     let request = Request::DrainStatus { pool, server };
     let mut last = None;
     loop {
-        let Response::DrainStatus(status) = ask(socket, &request)? else {
+        // An answer waits for a walk of the flow table: no longer than the time left.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = answer_wait(&request).min(left).max(Duration::from_secs(1));
+        let answer = match ask_within(socket, &request, wait) {
+            Err(e) if Instant::now() >= deadline => {
+                bail!("still not drained after {} s ({e:#})", limit.as_secs())
+            }
+            answer => answer?,
+        };
+        let Response::DrainStatus(status) = answer else {
             bail!("unexpected answer to a drain status request");
         };
         if !status.draining {
@@ -374,7 +389,7 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             if status.idle() {
                 println!("drained: nothing running, no connection left");
             } else {
-                println!("drained: no connection left (the server is DOWN and has not been scraped since the drain began)");
+                println!("drained: no connection left (the server is DOWN and no scrape since the drain began is fresh)");
             }
             return Ok(());
         }
@@ -419,6 +434,18 @@ mod tests {
         };
         assert!(drain("60").is_ok());
         assert!(drain(&MAX_WAIT_S.to_string()).is_ok());
+        let without_wait = Cli::try_parse_from([
+            "balancer-agent",
+            "drain",
+            "p",
+            "10.4.0.11",
+            "--timeout",
+            "60",
+        ]);
+        let e = without_wait
+            .err()
+            .expect("--timeout without --wait accepted");
+        assert!(e.to_string().contains("--wait"), "{e}");
         for bad in ["0", "31536001", "18446744073709551615", "soon"] {
             let Err(e) = drain(bad) else {
                 panic!("{bad} accepted");

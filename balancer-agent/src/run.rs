@@ -163,7 +163,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
 
 /// Every interface the configuration names exists: checked before anything is applied, so
 /// that a typo changes nothing.
-fn require_interfaces(config: &Config) -> Result<()> {
+pub fn require_interfaces(config: &Config) -> Result<()> {
     for name in &config.agent.interfaces {
         interface_index(name)?;
     }

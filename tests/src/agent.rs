@@ -288,6 +288,26 @@ impl<'t> Agent<'t> {
         Ok(line)
     }
 
+    /// `balancer-agent check` of `config`, in the gateway's namespace: whether it passed, and
+    /// what it printed.
+    pub fn check(
+        topology: &Topology,
+        binary: &Path,
+        config: &AgentConfig,
+    ) -> Result<(bool, String)> {
+        let path = topology.dir().join("agent-checked.toml");
+        config.write(&path)?;
+        let out = topology
+            .gw()
+            .command(binary)
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .context("running balancer-agent check")?;
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        Ok((out.status.success(), text.into_owned()))
+    }
+
     /// SIGKILL, as a crash: the agent gets no chance to clean up.
     pub fn kill(mut self) -> Result<()> {
         self.process.signal(libc::SIGKILL)?;

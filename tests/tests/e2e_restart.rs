@@ -235,6 +235,17 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
         refused.contains("no interface named \"g9\""),
         "an unknown interface: {refused}"
     );
+    // `check` finds it first, and passes the file that names none.
+    let (passed, said) = Agent::check(topology, binary, &mistyped)?;
+    ensure!(
+        !passed && said.contains("no interface named \"g9\""),
+        "check of an unknown interface: {said}"
+    );
+    let (passed, said) = Agent::check(topology, binary, &config)?;
+    ensure!(
+        passed && said.contains(": ok"),
+        "check of the running file: {said}"
+    );
     probe(topology, "after the refused starts")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
