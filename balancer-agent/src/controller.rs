@@ -339,6 +339,11 @@ impl Controller {
         let now = Instant::now();
         let mut servers = HashMap::new();
         self.applied.clear();
+        // A model the old file named is dropped with its name; one found on the server stays.
+        let named: HashSet<String> = (self.config.pool.iter())
+            .filter(|p| p.model.is_some())
+            .map(|p| p.name.clone())
+            .collect();
         for (pool, vip) in config.pool.iter().zip(&plan.vips) {
             let mut applied = Vec::new();
             for (s, (addr, id)) in pool.server.iter().zip(&vip.members) {
@@ -348,7 +353,8 @@ impl Controller {
                     Some(mut o) => {
                         o.metrics = SocketAddr::new(s.address, s.metrics_port);
                         o.dialect = s.dialect.or(pool.dialect);
-                        o.model = pool.model.clone().or(o.model);
+                        let found = o.model.filter(|_| !named.contains(&pool.name));
+                        o.model = pool.model.clone().or(found);
                         o
                     }
                     None => {
@@ -870,11 +876,15 @@ impl Controller {
             (Some(start), Some(at)) => at >= start,
             _ => false,
         };
-        let reading = s.reading.as_ref().filter(|_| scraped_since);
+        // Scrapes failing since: what it ran then is no evidence of what it runs now (a
+        // request a kept-alive connection sent later, say).
+        let fresh = !s.stale(Instant::now(), self.stale_after());
+        let reading = s.reading.as_ref().filter(|_| scraped_since && fresh);
         Ok(DrainQuestion {
             census: self.census.clone(),
             id: s.id,
             quiet: dsr.then_some(DSR_QUIET),
+            since: s.drain_started,
             status: DrainStatus {
                 draining: s.draining,
                 running: reading.map(|r| r.running),
@@ -1119,6 +1129,8 @@ pub struct DrainQuestion {
     census: Arc<FlowCensus>,
     id: u32,
     quiet: Option<Duration>,
+    /// When the drain began: only a walk begun since counts.
+    since: Option<Instant>,
     status: DrainStatus,
 }
 
@@ -1127,7 +1139,7 @@ impl DrainQuestion {
     /// for a walk of the whole table (shared, see [`FlowCensus`]): call it on a blocking
     /// thread, without the controller's lock.
     pub fn answer(self) -> Response {
-        match self.census.open_on(self.id, self.quiet) {
+        match self.census.open_on(self.id, self.quiet, self.since) {
             Ok(flows) => Response::DrainStatus(DrainStatus {
                 flows,
                 ..self.status

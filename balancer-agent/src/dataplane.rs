@@ -1064,6 +1064,8 @@ pub struct FlowCensus {
 
 struct Census {
     quiet: Option<Duration>,
+    /// When its walk began: a connection opened before then may have been passed over.
+    started: Instant,
     ended: Instant,
     reuse: Duration,
     live: HashMap<u32, u64>,
@@ -1078,23 +1080,31 @@ impl FlowCensus {
     }
 
     /// The connections open on `id` ([`live_flows`] with `quiet`), from a census no older
-    /// than the question, or than [`CENSUS_REUSE`]. Blocks for a walk: call it on a
-    /// blocking thread, without the controller's lock.
-    pub fn open_on(&self, id: u32, quiet: Option<Duration>) -> Result<u64> {
+    /// than the question, or than [`CENSUS_REUSE`], whose walk began at `since` or later (a
+    /// drain's start: a walk begun before may have passed over a connection opened just
+    /// before the drain). Blocks for a walk: call it on a blocking thread, without the
+    /// controller's lock.
+    pub fn open_on(&self, id: u32, quiet: Option<Duration>, since: Option<Instant>) -> Result<u64> {
         let asked = Instant::now();
         // Held across the walk: a question asked meanwhile waits for it instead of walking
         // the table beside it.
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        let recent = |c: &&Census| c.quiet == quiet && asked <= c.ended + c.reuse;
+        let recent = |c: &&Census| {
+            c.quiet == quiet
+                && asked <= c.ended + c.reuse
+                && since.is_none_or(|since| c.started >= since)
+        };
         if let Some(c) = last.iter().find(recent) {
             return Ok(c.live.get(&id).copied().unwrap_or(0));
         }
+        let started = Instant::now();
         let live = count_live(self.flows_id, |_| true, quiet)?;
         let open = live.get(&id).copied().unwrap_or(0);
         last.retain(|c| c.quiet != quiet);
         let ended = Instant::now();
         last.push(Census {
             quiet,
+            started,
             ended,
             reuse: CENSUS_REUSE.max(ended - asked),
             live,

@@ -229,13 +229,14 @@ pub struct FlowEntry {
     pub nat_addr: [u32; 4],
     /// Network byte order.
     pub nat_port: u16,
-    /// Set once a FIN or RST was seen, so the close is counted once and a later SYN on the
-    /// same tuple starts a new flow. Written as a whole byte so concurrent writers of
-    /// `acked` cannot clobber it.
+    /// Set once the flow ended (a RST, or the server's FIN; see `note_fin` in the program),
+    /// so the close is counted once and a later SYN on the same tuple starts a new flow.
+    /// Written as a whole byte so concurrent writers of `acked` cannot clobber it.
     pub closed: u8,
-    /// Set once the client acknowledged (its first packet after the SYN with ACK set): the
-    /// flow is then reported to other gateways and kept alive there (`[sync]`); until then
-    /// nothing but a SYN reached the backend.
+    /// `FLOW_ACKED` once the client acknowledged (its first packet after the SYN with ACK
+    /// set): the flow is then reported to other gateways and kept alive there (`[sync]`);
+    /// until then nothing but a SYN reached the backend. With `FLOW_UNTOLD` while the other
+    /// gateways have not been told of it.
     pub acked: u8,
     pub backend_id: u32,
     pub idle_timeout_s: u32,
@@ -254,12 +255,29 @@ pub struct FlowEntry {
     pub close_claim: u64,
 }
 
+/// `FlowEntry::acked`: the client acknowledged the handshake.
+pub const FLOW_ACKED: u8 = 1;
+/// `FlowEntry::acked`, with `FLOW_ACKED`: a shared flow whose report did not go out (past
+/// the allowance, or the ring full), so the other gateways have not heard of it; its close is
+/// not reported either, so that forged handshakes and their ends buy no report past the
+/// allowance. Cleared by the keepalive that reports it.
+pub const FLOW_UNTOLD: u8 = 2;
+
 impl FlowEntry {
-    /// Neither closed nor idle past its timeout at `now` (the clock of `last_seen_ns`).
+    /// Idle past its timeout at `now` (the clock of `last_seen_ns`). `last_seen_ns` is
+    /// refreshed once a second, so it may be up to a second older than the last packet: the
+    /// timeout counts from a second after it, so that no flow expires early.
+    #[inline(always)]
+    pub fn expired_at(&self, now: u64) -> bool {
+        let idle = (u64::from(self.idle_timeout_s) + 1) * 1_000_000_000;
+        // Saturating: another CPU may have stored a later time than `now`.
+        now.saturating_sub(self.last_seen_ns) > idle
+    }
+
+    /// Neither closed nor idle past its timeout at `now`.
     #[inline(always)]
     pub fn live_at(&self, now: u64) -> bool {
-        let idle = u64::from(self.idle_timeout_s) * 1_000_000_000;
-        self.closed == 0 && now.saturating_sub(self.last_seen_ns) <= idle
+        self.closed == 0 && !self.expired_at(now)
     }
 }
 
@@ -727,6 +745,31 @@ mod tests {
         assert_eq!(size_of::<Replies>(), 80);
         assert_eq!(size_of::<BackendStats>(), 32);
         assert_eq!(size_of::<FlowEvent>(), 64);
+    }
+
+    /// A flow's time lags its last packet by up to a second (refreshed once a second): it
+    /// expires a second past its timeout, never before its timeout since its last packet;
+    /// and a time stored later than `now` (another CPU) is not idle at all.
+    #[test]
+    fn a_flow_expires_a_second_past_its_timeout() {
+        const S: u64 = 1_000_000_000;
+        let entry = |closed| FlowEntry {
+            idle_timeout_s: 2,
+            last_seen_ns: 100 * S,
+            closed,
+            ..Default::default()
+        };
+        let open = entry(0);
+        for (now, expired) in [
+            (50 * S, false),
+            (102 * S, false),
+            (103 * S, false),
+            (103 * S + 1, true),
+        ] {
+            assert_eq!(open.expired_at(now), expired, "{now}");
+            assert_eq!(open.live_at(now), !expired, "{now}");
+        }
+        assert!(!entry(1).live_at(100 * S));
     }
 
     #[test]

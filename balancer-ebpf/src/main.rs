@@ -27,9 +27,9 @@ use aya_ebpf::{
 };
 use balancer_common::{
     hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, Limit, NextHop,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT,
-    FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, IPPROTO_TCP, MAGLEV_SIZE, MAX_REPLY_VIPS,
-    VIP_F_DSR, VIP_F_SYNC,
+    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT, FLOW_ACKED,
+    FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, FLOW_UNTOLD, IPPROTO_TCP, MAGLEV_SIZE,
+    MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -235,10 +235,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
     if let Some(entry) = FLOWS.get_ptr_mut(pkt.key) {
         // SAFETY: valid for this run; fields are written whole.
         let entry = unsafe { &mut *entry };
-        // Saturating: the other direction, on another CPU, may have stored a time later
-        // than `now` since it was read; a wrapped difference would expire a live flow.
-        let idle = now.saturating_sub(entry.last_seen_ns);
-        if idle > u64::from(entry.idle_timeout_s) * NS_PER_S {
+        if entry.expired_at(now) {
             count(Counter::FlowExpired);
             close_replaced(entry);
         } else if syn && (entry.closed != 0 || down(entry.backend_id)) {
@@ -248,24 +245,30 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             count(Counter::FlowReopened);
             close_replaced(entry);
         } else {
-            if idle > NS_PER_S {
+            // Saturating: the other direction, on another CPU, may have stored a time later
+            // than `now` since it was read.
+            if now.saturating_sub(entry.last_seen_ns) > NS_PER_S {
                 entry.last_seen_ns = now;
                 sync::keepalive(&pkt.key, entry, now);
             }
             if entry.acked == 0 && !syn && pkt.tcp_flags & TCP_ACK != 0 {
-                entry.acked = 1;
+                let mut acked = FLOW_ACKED;
                 // Shared once the handshake goes on: a flood of spoofed SYNs stays here, and
                 // one of forged SYN and ACK pairs is bounded by the allowance.
                 if entry.synced != 0 && entry.closed == 0 {
                     if !allowed(Limit::NewFlowReports, now) {
                         count(Counter::SyncOpenLimited);
                         entry.synced = sync::overdue(now, entry.idle_timeout_s);
+                        acked |= FLOW_UNTOLD;
                     } else if sync::report(&pkt.key, entry, FLOW_EVENT_OPEN, now) {
                         entry.synced = sync_epoch(now);
+                    } else {
+                        acked |= FLOW_UNTOLD;
                     }
                 }
+                entry.acked = acked;
             }
-            note_fin(pkt, &pkt.key, entry, now);
+            note_fin(pkt, &pkt.key, entry, now, dsr);
             let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
             let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
             target = Some((entry.backend_id, entry.nat_addr, entry.nat_port, hop));
@@ -502,10 +505,10 @@ fn new_flow(
     if second {
         count(Counter::MaglevSecond);
     }
-    // The end of a connection whose entry is gone (expired, evicted): recorded closed, so
-    // that the backend's answers are still translated, but neither counted opened nor, later,
-    // closed.
-    let ending = !syn && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    // The end of a connection whose entry is gone (expired, evicted), a FIN or RST: recorded
+    // closed, so that the backend's last answers are still translated, but neither counted
+    // opened nor, later, closed.
+    let ending = !syn && ends(pkt, true);
     if ending {
         entry.closed = 1;
         entry.close_claim = 1;
@@ -534,16 +537,24 @@ fn new_flow(
     // allowance of such reports, it is shared at its next packet a second or more later, as
     // a keepalive is, which a forged packet never has.
     if entry.synced != 0 && !syn {
-        if allowed(Limit::NewFlowReports, now) {
-            sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now);
-        } else {
+        let limited = !allowed(Limit::NewFlowReports, now);
+        if limited {
             count(Counter::SyncGuessLimited);
+        }
+        if limited || !sync::report(&pkt.key, &entry, FLOW_EVENT_ALIVE, now) {
             // By reference: by value, the key is copied onto a stack that has no room left
             // for it here (LLVM refuses the frame).
             #[allow(clippy::needless_borrows_for_generic_args)]
             if let Some(e) = FLOWS.get_ptr_mut(&pkt.key) {
-                // SAFETY: valid for this run; the field is written whole.
-                unsafe { (*e).synced = sync::overdue(now, entry.idle_timeout_s) };
+                // SAFETY: valid for this run; the fields are written whole.
+                unsafe {
+                    if limited {
+                        (*e).synced = sync::overdue(now, entry.idle_timeout_s);
+                    }
+                    if entry.acked != 0 {
+                        (*e).acked = FLOW_ACKED | FLOW_UNTOLD;
+                    }
+                }
             }
         }
     }
@@ -651,7 +662,7 @@ fn reply(
         entry.last_seen_ns = now;
         sync::keepalive(key, entry, now);
     }
-    note_fin(pkt, key, entry, now);
+    note_fin(pkt, key, entry, now, true);
     let ports = (vip.port, pkt.key.dport);
     let ends = (&vip.addr, &pkt.key.dst);
     let hop = to_client(ctx, pkt, &mut entry.to_client, now, ends, ports);
@@ -667,21 +678,32 @@ fn reply(
     nat::send(ctx, pkt, hop, false)
 }
 
-/// A FIN or RST from either end closes the flow, counted once however many arrive. A
-/// shared flow's close is reported, so that other gateways rebalance a SYN that reuses its
-/// tuple (at worst twice, by FINs that meet at once: the report is idempotent); not one
-/// never acknowledged, which they were never told of.
+/// A RST from either end closes the flow, and so does a FIN where `fin_ends`: the server's,
+/// which has then sent all it will. A client's FIN only half-closes: a client may send its
+/// request and shut its side, and the answer can take minutes, which the entry must still
+/// translate (and count open). With direct server return the server's packets never come
+/// here, and the client's FIN is the end there is to see. Counted once however many arrive.
+/// A shared flow's close is reported, so that other gateways rebalance a SYN that reuses its
+/// tuple (at worst twice, by a FIN and a RST that meet at once: the report is idempotent);
+/// not one never acknowledged, or not yet told of, which they never heard of.
 #[inline(always)]
-fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry, now: u64) {
-    if pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 && entry.closed == 0 {
+fn note_fin(pkt: &Packet, key: &FlowKey, entry: &mut FlowEntry, now: u64, fin_ends: bool) {
+    if ends(pkt, fin_ends) && entry.closed == 0 {
         entry.closed = 1;
-        if entry.synced != 0 && entry.acked != 0 {
+        if entry.synced != 0 && entry.acked == FLOW_ACKED {
             sync::report(key, entry, FLOW_EVENT_CLOSE, now);
         }
         if room::claim(&mut entry.close_claim) {
             note_closed(entry.backend_id);
         }
     }
+}
+
+/// Whether `pkt` ends its flow: a RST, or a FIN where `fin_ends` (see [`note_fin`]).
+#[inline(always)]
+fn ends(pkt: &Packet, fin_ends: bool) -> bool {
+    let flags = if fin_ends { TCP_FIN | TCP_RST } else { TCP_RST };
+    pkt.tcp_flags & flags != 0
 }
 
 /// A flow whose entry a new one replaces ended without a FIN or RST seen here (idle past its

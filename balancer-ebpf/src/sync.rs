@@ -4,7 +4,9 @@
 //! ring loses it (counted), and a flow that lives on is reported again at its next keepalive.
 
 use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
-use balancer_common::{sync_epoch, Counter, FlowEntry, FlowEvent, FlowKey, FLOW_EVENT_ALIVE};
+use balancer_common::{
+    sync_epoch, Counter, FlowEntry, FlowEvent, FlowKey, FLOW_ACKED, FLOW_EVENT_ALIVE,
+};
 
 use crate::{
     maps::{count, FLOW_EVENTS},
@@ -46,6 +48,7 @@ pub fn keepalive(key: &FlowKey, entry: &mut FlowEntry, now: u64) {
         && report(key, entry, FLOW_EVENT_ALIVE, now)
     {
         entry.synced = e;
+        entry.acked = FLOW_ACKED;
     }
 }
 

@@ -602,6 +602,51 @@ fn an_agent_starting_over_counts_reports_no_burst() -> Result<()> {
     })
 }
 
+/// The model a health check asks for across reloads: the file's name while it names one; once
+/// the name is removed, the one the server reports (asked for again), kept over reloads that
+/// name none, and replaced by a name the file gives.
+#[test]
+fn a_reload_asks_for_the_model_the_file_now_names() -> Result<()> {
+    in_topology(|| {
+        let n = &v4();
+        let named = |model: Option<&str>| {
+            let mut c = config(std::slice::from_ref(n));
+            c.pool
+                .iter_mut()
+                .for_each(|p| p.model = model.map(String::from));
+            c
+        };
+        let (h, _) = Harness::load(&named(Some("old")))?;
+        let mut controller = balancer_agent::controller::Controller::new(named(Some("old")), h.dp)?;
+        let asked = |c: &balancer_agent::controller::Controller| {
+            let targets = c.health_targets();
+            let t = targets
+                .iter()
+                .find(|t| t.key.0 == "a0")
+                .expect("a0 is checked");
+            t.model.clone()
+        };
+        ensure!(asked(&controller).as_deref() == Some("old"));
+        controller.reconfigure(named(None))?;
+        ensure!(
+            asked(&controller).is_none(),
+            "still asks for {:?} once the file names no model",
+            asked(&controller)
+        );
+        let key = ("a0".to_string(), std::net::SocketAddr::new(n.backend, 8000));
+        controller.checked(vec![(key, Some("found".into()), Ok(()))]);
+        ensure!(asked(&controller).as_deref() == Some("found"));
+        controller.reconfigure(named(None))?;
+        ensure!(
+            asked(&controller).as_deref() == Some("found"),
+            "a model found on the server is forgotten by a reload"
+        );
+        controller.reconfigure(named(Some("new")))?;
+        ensure!(asked(&controller).as_deref() == Some("new"));
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry
@@ -665,9 +710,10 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
                 &from_vip2.bytes(),
                 Counter::Return,
             )?;
-            // Both closed now: the answer is the flow heard from last's.
-            let fin = client_syn(n, vip2, 50000).with(|f| f.flags = "AF");
-            sent(&mut h, "FIN to the second VIP", fin)?;
+            // Both closed now (a client's FIN would only half-close): the answer is the flow
+            // heard from last's.
+            let rst = client_syn(n, vip2, 50000).with(|f| f.flags = "AR");
+            sent(&mut h, "RST to the second VIP", rst)?;
             let fin_ack = syn_ack.with(|f| f.flags = "AF");
             h.expect(
                 &format!("{fam} FIN-ACK when both flows from the port are closed"),
@@ -868,7 +914,9 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         )?;
     }
 
-    // A FIN from each side closes the flow once.
+    // The client's FIN only half-closes: the server may answer for minutes yet. The flow
+    // stays open, is not reclaimed however quiet, and its answer is translated; the server's
+    // FIN ends it, counted closed once.
     let fin = syn.with(|f| f.flags = "FA");
     h.expect(
         &format!("{fam} FIN"),
@@ -877,6 +925,25 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         XDP_REDIRECT,
         &to_backend(&fin).bytes(),
         Counter::Forward,
+    )?;
+    let key = flow_key(n, n.vip, 40001);
+    let mut half = h.dp.flow_table().get(&key, 0)?;
+    ensure!(
+        half.closed == 0 && h.stats(backend_id).flows_closed == s0.flows_closed,
+        "{fam}: the client's FIN closed the flow"
+    );
+    use balancer_agent::sweep;
+    half.last_seen_ns -= (sweep::QUIET + std::time::Duration::from_secs(5)).as_nanos() as u64;
+    h.dp.flow_table().insert(key, half, 0)?;
+    sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
+    let answer = reply.with(|f| f.flags = "PA");
+    h.expect(
+        &format!("{fam} the answer after the client's FIN, the flow quiet past the sweep's"),
+        g1,
+        &answer.bytes(),
+        XDP_REDIRECT,
+        &to_client(&answer).bytes(),
+        Counter::Return,
     )?;
     let fin_back = reply.with(|f| f.flags = "FA");
     h.expect(
@@ -1357,25 +1424,36 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
          does not count without it"
     );
     // Drain statuses share their walks (`FlowCensus`): a question within CENSUS_REUSE of the
-    // last walk takes its count, a later one walks again.
+    // last walk takes its count, unless that walk began before its drain did; a later one
+    // walks again.
     let census = balancer_agent::dataplane::FlowCensus::new(h.dp.flows_id());
     let (quiet_one, census_quiet) = (
-        census.open_on(backend_id, quiet)?,
-        census.open_on(backend_id, None)?,
+        census.open_on(backend_id, quiet, None)?,
+        census.open_on(backend_id, None, None)?,
     );
     let kept = entry;
     entry.closed = 1;
     h.dp.flow_table().insert(key, entry, 0)?;
-    let reused = census.open_on(backend_id, None)?;
+    let reused = census.open_on(backend_id, None, None)?;
+    let drained_since = census.open_on(backend_id, None, Some(std::time::Instant::now()))?;
+    h.dp.flow_table().insert(key, kept, 0)?;
+    let reused_since = census.open_on(backend_id, None, None)?;
     std::thread::sleep(
         balancer_agent::dataplane::CENSUS_REUSE + std::time::Duration::from_millis(100),
     );
-    let walked = census.open_on(backend_id, None)?;
-    h.dp.flow_table().insert(key, kept, 0)?;
+    let walked = census.open_on(backend_id, None, None)?;
     ensure!(
-        (quiet_one, census_quiet, reused, live(h, None)?, walked) == (0, 1, 1, 1, 0),
+        (
+            quiet_one,
+            census_quiet,
+            reused,
+            drained_since,
+            reused_since,
+            walked
+        ) == (0, 1, 1, 0, 0, 1),
         "{fam} DSR census: quiet {quiet_one}, then {census_quiet}; closed: {reused} at once, \
-         {walked} after CENSUS_REUSE (expected 0, 1; 1, 0)"
+         {drained_since} for a drain begun after the walk, {reused_since} reused; open again: \
+         {walked} after CENSUS_REUSE (expected 0, 1; 1, 0, 0; 1)"
     );
 
     // Past the egress MTU: answered with the ICMP "too big" from the VIP; an IPv4 packet
@@ -1744,7 +1822,7 @@ fn hinted_syns_go_home_then_spill(
         "{fam} bucket stats {stats:?}"
     );
     ensure!(stats.picks == [4, 1, 3, 0], "{fam} picks {:?}", stats.picks);
-    // A connection that closes gives its room back, unless the home is held (saturated on
+    // A connection that ends gives its room back, unless the home is held (saturated on
     // TTFT or KV, or recovering): then the SYN after the close spills.
     let far: Vec<u16> = range.ports(bucket).skip(40).take(3).collect();
     let to = |h: &mut Harness, sport: u16, flags: &'static str, expect, c, what: &str| {
@@ -1757,23 +1835,23 @@ fn hinted_syns_go_home_then_spill(
     h.dp.set_budget(id(c), 5)?;
     to(h, far[0], "S", a, Counter::HintHome, "home with room 1")?;
     h.dp.set_budget(id(a), 0)?;
-    to(h, far[0], "AF", a, Counter::PassNoNeigh, "its FIN")?;
+    to(h, far[0], "AR", a, Counter::PassNoNeigh, "its RST")?;
     to(
         h,
         far[1],
         "S",
         a,
         Counter::HintHome,
-        "home again: the FIN gave room",
+        "home again: the RST gave room",
     )?;
     h.dp.set_load(id(a), 0, true)?;
     to(
         h,
         far[1],
-        "AF",
+        "AR",
         a,
         Counter::PassNoNeigh,
-        "its FIN, home held",
+        "its RST, home held",
     )?;
     to(
         h,
@@ -1781,7 +1859,7 @@ fn hinted_syns_go_home_then_spill(
         "S",
         c,
         Counter::HintWarm,
-        "held: the FIN gave no room",
+        "held: the RST gave no room",
     )?;
     // Outside the range: Maglev, the buckets are not consulted.
     let before = h.counter(Counter::HintHome)
@@ -2770,9 +2848,20 @@ fn reports(
         counter: Counter::SyncGuessLimited,
         port: |k| 20000 + k as u16,
     };
-    guesses.check(h, ring, n, sharing, |h, k| {
-        run(h, g0, &ack.with(|f| f.sport = guesses.port(k)))
-    })?;
+    guesses.check(
+        h,
+        ring,
+        n,
+        sharing,
+        |h, k| run(h, g0, &ack.with(|f| f.sport = guesses.port(k))),
+        |h, k| {
+            let rst = ack.with(|f| {
+                f.sport = guesses.port(k);
+                f.flags = "RA";
+            });
+            run(h, g0, &rst)
+        },
+    )?;
     opens_bounded(h, ring, n, sharing, &syn)
 }
 
@@ -2824,9 +2913,14 @@ fn opens_bounded(
     for k in 0..opens.size() {
         run(h, &flow(k))?;
     }
-    opens.check(h, ring, n, sharing, |h, k| {
-        run(h, &flow(k).with(|f| f.flags = "A"))
-    })
+    opens.check(
+        h,
+        ring,
+        n,
+        sharing,
+        |h, k| run(h, &flow(k).with(|f| f.flags = "A")),
+        |h, k| run(h, &flow(k).with(|f| f.flags = "RA")),
+    )
 }
 
 /// Makes flow `sport` (client to `n.vip`) look two seconds older, so that its next packet
@@ -2844,6 +2938,16 @@ fn aged(
     e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
     h.dp.flow_table().insert(key, e, 0)?;
     Ok(e.synced)
+}
+
+/// Makes flow `sport`'s (client to `n.vip`) last packet now, so that its next one checks no
+/// keepalive.
+fn refreshed(h: &mut Harness, n: &Net, sport: u16) -> Result<()> {
+    let key = flow_key(n, n.vip, sport);
+    let mut e = h.dp.flow_table().get(&key, 0)?;
+    e.last_seen_ns = balancer_agent::dataplane::monotonic_ns();
+    h.dp.flow_table().insert(key, e, 0)?;
+    Ok(())
 }
 
 /// A flood of new flows (`whats`) from ports `port(0..size())` to `n.vip`, sent on one CPU,
@@ -2869,7 +2973,10 @@ impl Flood {
     /// past the allowance, those reported within it; then, at its next packet a second or
     /// more later, the last flow past the allowance is reported and the first, reported
     /// already, is not (which were past it depends on when the coarse clock ticked during
-    /// the flood: the ring says). Without sharing, neither reported nor counted.
+    /// the flood: the ring says). Their ends (`end(h, k)`): the first flow's is reported,
+    /// and a flow's past the allowance, never told of, is not (forged pairs of packets and
+    /// their ends buy no report past the allowance). Without sharing, neither reported nor
+    /// counted.
     fn check(
         &self,
         h: &mut Harness,
@@ -2877,6 +2984,7 @@ impl Flood {
         n: &Net,
         sharing: bool,
         send: impl Fn(&mut Harness, u64) -> Result<()>,
+        end: impl Fn(&mut Harness, u64) -> Result<()>,
     ) -> Result<()> {
         let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
         let limit = Limit::NewFlowReports;
@@ -2914,16 +3022,17 @@ impl Flood {
             .rev()
             .find(|&k| !ports.contains(&self.port(k)))
             .with_context(|| format!("{fam}: none of the {whats} was past the allowance"))?;
+        let event = |kind, k| Event {
+            kind,
+            client: SocketAddr::new(n.client, self.port(k)),
+            vip: SocketAddr::new(n.vip, 8000),
+            backend: SocketAddr::new(n.backend, 8000),
+        };
         for (k, now_shared) in [(0, false), (last_limited, true)] {
             aged(h, n, self.port(k), |_| {})?;
             send(h, k)?;
             let expect = if now_shared {
-                vec![Event {
-                    kind: Kind::Alive,
-                    client: SocketAddr::new(n.client, self.port(k)),
-                    vip: SocketAddr::new(n.vip, 8000),
-                    backend: SocketAddr::new(n.backend, 8000),
-                }]
+                vec![event(Kind::Alive, k)]
             } else {
                 vec![]
             };
@@ -2931,6 +3040,21 @@ impl Flood {
             ensure!(
                 got == expect,
                 "{fam}: {whats}: flow {k} of {flood} at its next packet: {got:?}"
+            );
+        }
+        let untold = (0..last_limited)
+            .rev()
+            .find(|&k| !ports.contains(&self.port(k)))
+            .with_context(|| format!("{fam}: only one of the {whats} was past the allowance"))?;
+        for (k, expect) in [(0, vec![event(Kind::Close, 0)]), (untold, vec![])] {
+            // Heard from just now: no keepalive is due (it would tell them).
+            refreshed(h, n, self.port(k))?;
+            end(h, k)?;
+            let got = reported(ring);
+            ensure!(
+                got == expect,
+                "{fam}: {whats}: the end of flow {k} of {flood} (told of: {}): {got:?}",
+                k == 0
             );
         }
         Ok(())
@@ -2998,8 +3122,8 @@ fn adopted(
             && h.dp.flow_table().get(&key, 0)?.closed == 0,
         "{fam}: another server's close closed it"
     );
-    let (v, _) = h.run(g0, &data.with(|f| f.flags = "FA").bytes())?;
-    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let (v, _) = h.run(g0, &data.with(|f| f.flags = "RA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: RST verdict {v}");
     let closes = reported(ring);
     ensure!(
         closes.len() == 1 && closes[0].kind == Kind::Close && closes[0].backend.ip() == theirs,
@@ -3031,8 +3155,8 @@ fn adopted(
     for _ in 0..2 {
         h.dp.adopt_flow(&key, target(mine), 600, Kind::Close)?;
     }
-    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "FA").bytes())?;
-    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "RA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: RST verdict {v}");
     let after = h.stats(id(mine));
     ensure!(
         after.flows_closed == before.flows_closed + 1,
@@ -3053,8 +3177,8 @@ fn adopted(
         h.dp.adopt_flow(&key, target(mine), 600, Kind::Alive)?,
         "{fam}: an expired flow of ours not adopted"
     );
-    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "FA").bytes())?;
-    ensure!(v == XDP_PASS, "{fam}: FIN verdict {v}");
+    let (v, _) = h.run(g0, &syn.with(|f| f.flags = "RA").bytes())?;
+    ensure!(v == XDP_PASS, "{fam}: RST verdict {v}");
     let closes = reported(ring);
     ensure!(
         closes.len() == 1 && closes[0].kind == Kind::Close,
