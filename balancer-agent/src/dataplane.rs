@@ -30,8 +30,8 @@ use aya_obj::generated::BPF_NOEXIST;
 use balancer_common::{
     bucket_slot, hint::HintRange, sync_epoch, Allowance, Backend, BackendLoad, BackendStats,
     Bucket, BucketStats, Counter, FlowEntry, FlowKey, Limit, NextHop, Replies, ReplyKey, VipInfo,
-    VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, LOAD_F_HELD,
-    MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
+    VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, FLOW_ACKED,
+    LOAD_F_HELD, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
 };
 use tracing::{info, warn};
 
@@ -904,7 +904,7 @@ impl Dataplane {
             nat_addr: addr,
             nat_port: port,
             closed: 0,
-            acked: 1,
+            acked: FLOW_ACKED,
             backend_id: id,
             idle_timeout_s,
             synced,
@@ -917,22 +917,21 @@ impl Dataplane {
         // whose packets come here is left alone (it is fresh), so that neither side's write
         // is lost. Its own packets refresh it more often than any report would.
         let quiet = |e: &FlowEntry| now.saturating_sub(e.last_seen_ns) > 2_000_000_000;
+        // A flow a peer reports is one the peers know of: its close is theirs to hear too.
+        let refreshed = |e: FlowEntry| FlowEntry {
+            last_seen_ns: now,
+            synced,
+            acked: FLOW_ACKED,
+            ..e
+        };
         let entry = match kind {
             Kind::Open => match same {
                 Some(e) if e.closed == 0 && !quiet(&e) => return Ok(false),
-                Some(e) if e.closed == 0 => FlowEntry {
-                    last_seen_ns: now,
-                    synced,
-                    ..e
-                },
+                Some(e) if e.closed == 0 => refreshed(e),
                 _ => self.replacing(current, adopted),
             },
             Kind::Alive => match (same, live) {
-                (Some(e), Some(_)) if quiet(&e) => FlowEntry {
-                    last_seen_ns: now,
-                    synced,
-                    ..e
-                },
+                (Some(e), Some(_)) if quiet(&e) => refreshed(e),
                 (_, Some(_)) => return Ok(false),
                 // Closed here, and reported alive by a peer that has not seen the close yet.
                 (Some(e), None) if e.closed != 0 => return Ok(false),

@@ -260,7 +260,7 @@ pub const FLOW_ACKED: u8 = 1;
 /// `FlowEntry::acked`, with `FLOW_ACKED`: a shared flow whose report did not go out (past
 /// the allowance, or the ring full), so the other gateways have not heard of it; its close is
 /// not reported either, so that forged handshakes and their ends buy no report past the
-/// allowance. Cleared by the keepalive that reports it.
+/// allowance. Cleared by the keepalive that reports it, or by a peer's report of it.
 pub const FLOW_UNTOLD: u8 = 2;
 
 impl FlowEntry {
