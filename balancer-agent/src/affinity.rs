@@ -154,6 +154,11 @@ pub struct PoolAffinity {
     /// Until when quiet buckets keep the homes taken over from an earlier agent (see
     /// [`PoolAffinity::adopt`]).
     adopted_until: Option<Instant>,
+    /// Whether the buckets' `seen` hold the statistics as the maps had them. They are
+    /// cumulative and outlive a pool's state here (a hint range changed by a reload, a VIP
+    /// id another pool had): the first update takes them as where counting starts, not as
+    /// connections just made.
+    primed: bool,
 }
 
 /// A bucket in use, for the operator.
@@ -203,6 +208,7 @@ impl PoolAffinity {
             rankings: Vec::new(),
             popularity: Popularity::new(range.buckets),
             adopted_until: None,
+            primed: false,
         }
     }
 
@@ -223,6 +229,7 @@ impl PoolAffinity {
     pub fn adopt(&mut self, now: Instant, written: &[Bucket], stats: &[BucketStats]) {
         self.homes = written.iter().map(|w| w.ids[0]).collect();
         self.adopted_until = Some(now + homes::MEMORY);
+        self.primed = true;
         for ((state, w), seen) in self.buckets.iter_mut().zip(written).zip(stats) {
             state.warm = (w.ids[1..].iter())
                 .filter(|id| **id != 0)
@@ -279,6 +286,12 @@ impl PoolAffinity {
             self.rankings = (0..self.range.buckets)
                 .map(|b| ranking(b, members))
                 .collect();
+        }
+        if !self.primed {
+            for (state, seen) in self.buckets.iter_mut().zip(stats) {
+                state.seen = *seen;
+            }
+            self.primed = true;
         }
         let hinted = |b: usize| stats.get(b).map_or(0, |s| s.hinted);
         self.popularity.add(
@@ -684,6 +697,34 @@ pub(crate) mod tests {
             .iter()
             .enumerate()
             .all(|(b, h)| home(b as u16, &m) == Some(*h)));
+    }
+
+    /// Statistics the maps held before this pool's first update (another range's, another
+    /// pool's on the same VIP id) are history: they move no home and mark no bucket in use;
+    /// what comes after them counts.
+    #[test]
+    fn counts_from_before_the_first_update_are_history() {
+        let m = members(4);
+        let mut a = PoolAffinity::new(HintRange::DEFAULT);
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(60);
+        let on_one: Vec<usize> = (0..256)
+            .filter(|b| home(*b as u16, &m) == Some(1))
+            .collect();
+        let healthy: Vec<Load> = (1..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
+        let mut s = vec![BucketStats::default(); 256];
+        for (b, n) in on_one.iter().zip([40, 30, 20, 10]) {
+            s[*b] = stats(n, 0, [n, 0, 0, 0]);
+        }
+        let u = a.update(t0, &m, &healthy, &s, idle, 1.25);
+        assert!(u.moves.is_empty() && u.spilled.is_empty(), "{u:?}");
+        assert!(a.active().is_empty());
+        for (b, n) in on_one.iter().zip([40, 30, 20, 10]) {
+            s[*b] = stats(2 * n, 0, [2 * n, 0, 0, 0]);
+        }
+        let u = a.update(t0 + Duration::from_secs(1), &m, &healthy, &s, idle, 1.25);
+        assert!(!u.moves.is_empty());
+        assert_eq!(a.active().len(), 4);
     }
 
     #[test]
