@@ -277,14 +277,17 @@ fn header(
          08:55 one: packet costs about 1.6 times as high, connections per second a third lower) \
          and ours trailed nftables by 5% (2.72 against 2.59 ms), ahead of HAProxy (4.29). At \
          16:18 ours was ahead of both again: 1.30 ms against 1.52 (nftables) and 2.85 \
-         (HAProxy). The p50 is steady, within a few percent of nftables (0.372 against 0.364 ms \
+         (HAProxy), and at 00:40 on 2026-12-03, on another host (an Intel Xeon), too: \
+         0.744 ms against 0.760 and 1.136. The p50 is steady, within a few percent of \
+         nftables (0.372 against 0.364 ms \
          at 03:47, ahead at 00:39 and at 06:05).\n\
          - bulk throughput, where it is missed: ours and nftables are about level (at 08:55 \
          ours led nftables in three rounds of five, from 1.62 to 2.47 Gbit/s, yet its median \
-         was 14% lower), and HAProxy led in the last eight runs (by 19% at 18:34 on 2026-12-01, \
+         was 14% lower), and HAProxy led in the last nine runs (by 19% at 18:34 on 2026-12-01, \
          by 28% and in every round at 21:29, by 11% at 00:39 on 2026-12-02, by 24% at 03:47, by \
          14% at 06:05, by 48% at 08:55, by 22% at 13:31, when ours trailed nftables by 2%, by 23% \
-         at 16:18, when ours trailed nftables by 3%), where \
+         at 16:18, when ours trailed nftables by 3%, by 13% at 00:40 on \
+         2026-12-03, when ours trailed nftables by 3%), where \
          ours had led it by 5% on 2026-11-30 (per-round \
          table in section 2). GRO is off on these veth links (veth's default), so nftables \
          forwards every 1500-byte frame as the XDP program does, and HAProxy relays between two \
@@ -301,7 +304,8 @@ fn header(
          is the sixth slowest: the same policy's p99 moves by more than a second between runs \
          (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29, 4.3 s at \
          08:55 and at 13:31, 3.4 s at 16:18 on 2026-12-02, when it was the lowest of the five \
-         policies in the tight cache and second to round-robin's in the roomy one).\n\
+         policies in the tight cache and second to round-robin's in the roomy one, 5.3 s \
+         at 00:40 on 2026-12-03, when it was the highest but random's with either cache).\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
@@ -309,7 +313,9 @@ fn header(
          round-robin by 0.1; roomy, they led every policy; at 13:31 the other way round: tight, \
          hints led every policy by 2.5 points or more; roomy, they trailed random by 0.4; at 16:18 \
          tight, hints led every policy by 1.9 points or more; roomy, all five policies were \
-         within 0.6 points, hints 0.06 behind least-connections and 0.13 behind random).\n\n",
+         within 0.6 points, hints 0.06 behind least-connections and 0.13 behind random; at \
+         00:40 on 2026-12-03 hints led every policy with either cache, by 1.5 \
+         points or more tight and 1.4 or more roomy).\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
