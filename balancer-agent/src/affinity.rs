@@ -700,8 +700,8 @@ pub(crate) mod tests {
     }
 
     /// Statistics the maps held before this pool's first update (another range's, another
-    /// pool's on the same VIP id) are history: they move no home and mark no bucket in use;
-    /// what comes after them counts.
+    /// pool's on the same VIP id) are history: a bucket they counted is not in use, and gets
+    /// no alternate when its home is full; connections after them count.
     #[test]
     fn counts_from_before_the_first_update_are_history() {
         let m = members(4);
@@ -710,21 +710,20 @@ pub(crate) mod tests {
         let idle = Duration::from_secs(60);
         let on_one: Vec<usize> = (0..256)
             .filter(|b| home(*b as u16, &m) == Some(1))
+            .take(2)
             .collect();
-        let healthy: Vec<Load> = (1..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
+        let mut loads: Vec<Load> = (2..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
+        loads.push(load(1, 0, 1.0, 0.0));
         let mut s = vec![BucketStats::default(); 256];
-        for (b, n) in on_one.iter().zip([40, 30, 20, 10]) {
-            s[*b] = stats(n, 0, [n, 0, 0, 0]);
+        for b in &on_one {
+            s[*b] = stats(10, 0, [10, 0, 0, 0]);
         }
-        let u = a.update(t0, &m, &healthy, &s, idle, 1.25);
-        assert!(u.moves.is_empty() && u.spilled.is_empty(), "{u:?}");
-        assert!(a.active().is_empty());
-        for (b, n) in on_one.iter().zip([40, 30, 20, 10]) {
-            s[*b] = stats(2 * n, 0, [2 * n, 0, 0, 0]);
-        }
-        let u = a.update(t0 + Duration::from_secs(1), &m, &healthy, &s, idle, 1.25);
-        assert!(!u.moves.is_empty());
-        assert_eq!(a.active().len(), 4);
+        let u = a.update(t0, &m, &loads, &s, idle, 0.0);
+        assert!(u.spills.is_empty(), "{:?}", u.spills);
+        s[on_one[1]] = stats(11, 0, [11, 0, 0, 0]);
+        let u = a.update(t0 + Duration::from_secs(1), &m, &loads, &s, idle, 0.0);
+        let spilled: Vec<u16> = u.spills.iter().map(|x| x.bucket).collect();
+        assert_eq!(spilled, [on_one[1] as u16]);
     }
 
     #[test]
