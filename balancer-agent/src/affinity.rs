@@ -649,6 +649,13 @@ pub(crate) mod tests {
         assert!(ttft_rank(&idle) < ttft_rank(&known));
     }
 
+    /// The buckets (of 256) whose rendezvous home is `id`.
+    fn homed_on(id: u32, m: &[Member]) -> Vec<usize> {
+        (0..256)
+            .filter(|b| home(*b as u16, m) == Some(id))
+            .collect()
+    }
+
     /// Four popular buckets share a rendezvous home: once enough connections are counted,
     /// some move, the moves are reported and written, the old home is the first spill
     /// choice, and the operator's view names where each came from.
@@ -658,9 +665,7 @@ pub(crate) mod tests {
         let mut a = PoolAffinity::new(HintRange::DEFAULT);
         let t0 = Instant::now();
         let idle = Duration::from_secs(60);
-        let on_one: Vec<usize> = (0..256)
-            .filter(|b| home(*b as u16, &m) == Some(1))
-            .collect();
+        let on_one = homed_on(1, &m);
         let healthy: Vec<Load> = (1..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
         let mut s = vec![BucketStats::default(); 256];
         a.update(t0, &m, &healthy, &s, idle, 1.25);
@@ -708,14 +713,11 @@ pub(crate) mod tests {
         let mut a = PoolAffinity::new(HintRange::DEFAULT);
         let t0 = Instant::now();
         let idle = Duration::from_secs(60);
-        let on_one: Vec<usize> = (0..256)
-            .filter(|b| home(*b as u16, &m) == Some(1))
-            .take(2)
-            .collect();
+        let on_one = &homed_on(1, &m)[..2];
         let mut loads: Vec<Load> = (2..=4).map(|id| load(id, 5, 0.0, 100.0)).collect();
         loads.push(load(1, 0, 1.0, 0.0));
         let mut s = vec![BucketStats::default(); 256];
-        for b in &on_one {
+        for b in on_one {
             s[*b] = stats(10, 0, [10, 0, 0, 0]);
         }
         let u = a.update(t0, &m, &loads, &s, idle, 0.0);

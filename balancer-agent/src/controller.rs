@@ -33,8 +33,8 @@ pub type ServerKey = (String, SocketAddr);
 /// Metrics older than this many scrape intervals are stale.
 const STALE_INTERVALS: u32 = 3;
 
-/// For `drain --wait` on a DSR pool, a connection whose client sent nothing for this long
-/// is no longer open on the server: a stream's client acknowledges its tokens as they come,
+/// For `drain --wait` on a DSR pool (or of a DOWN server), a connection whose client sent
+/// nothing for this long is no longer open on the server: a stream's client acknowledges its tokens as they come,
 /// and servers close idle kept-alive connections sooner (uvicorn, under vLLM and SGLang,
 /// after 5 s).
 pub const DSR_QUIET: Duration = Duration::from_secs(10);
@@ -841,10 +841,13 @@ impl Controller {
             ));
         }
         s.draining = on;
-        s.drain_started = on.then(Instant::now);
         info!(pool = %key.0, server = %key.1, "{}", if on { "draining" } else { "drain cancelled" });
         self.refresh(true);
-        let down = self.servers[&key].track.down;
+        // Once the maps send it nothing new: a walk of the flow table begun earlier could miss
+        // a connection placed on it meanwhile.
+        let s = self.servers.get_mut(&key).expect("found");
+        s.drain_started = on.then(Instant::now);
+        let down = s.track.down;
         Ok(format!(
             "{} {}",
             key.1,
@@ -866,12 +869,15 @@ impl Controller {
         let s = &self.servers[&key];
         // With direct server return the gateway never sees the server close a connection
         // (a kept-alive one it times out, say), so one whose client has been quiet that long
-        // counts as closed; a request it waits on shows in the server's own counts.
+        // counts as closed; a request it waits on shows in the server's own counts. So too
+        // on a DOWN server: one whose host died answers no FIN, and a client's FIN only
+        // half-closes, so its connections would count until their idle timeout.
         let dsr = self
             .config
             .pool
             .iter()
             .any(|p| p.name == key.0 && p.forwarding == Forwarding::Dsr);
+        let quiet_ends = dsr || s.track.down;
         let scraped_since = match (s.drain_started, s.reading_at) {
             (Some(start), Some(at)) => at >= start,
             _ => false,
@@ -883,7 +889,7 @@ impl Controller {
         Ok(DrainQuestion {
             census: self.census.clone(),
             id: s.id,
-            quiet: dsr.then_some(DSR_QUIET),
+            quiet: quiet_ends.then_some(DSR_QUIET),
             since: s.drain_started,
             status: DrainStatus {
                 draining: s.draining,

@@ -1012,7 +1012,7 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
 }
 
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
-/// with no FIN or RST seen and not idle past their timeout, nor, with `quiet`, for longer
+/// not ended (`FlowEntry::closed`) and not idle past their timeout, nor, with `quiet`, for longer
 /// than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million
 /// entries), so it is for occasional questions (has a drained server's last stream ended?),
 /// asked without the controller's lock.

@@ -1,4 +1,4 @@
-//! Reclaiming the flow table. A connection's entry stays after its FIN or RST (its last
+//! Reclaiming the flow table. A connection's entry stays after its end (its last
 //! packets still need translating), and so does a handshake's that never completed; the LRU
 //! evicts only when it is full, and by recency. At a high rate of new connections the
 //! entries of ended ones, touched last, would push out those of open connections that were
@@ -28,7 +28,7 @@ const EVERY: Duration = Duration::from_secs(5);
 /// What one sweep deleted.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Swept {
-    /// Entries of connections that ended (a FIN or RST seen).
+    /// Entries of connections that ended (see `FlowEntry::closed`).
     pub ended: u64,
     /// Entries of handshakes that never completed, per backend id, whose close no one had
     /// counted: the program counted them opened, so the agent counts them closed.

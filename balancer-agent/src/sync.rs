@@ -69,7 +69,7 @@ pub const MAX_DATAGRAM_BYTES: usize = 2048;
 pub enum Kind {
     /// A new flow, placed by its SYN: it replaces what the receiver had for the tuple.
     Open,
-    /// Its first FIN or RST.
+    /// Its end (see `FlowEntry::closed`).
     Close,
     /// A live flow reported again, or one placed without its SYN: it fills a place where
     /// the receiver has no live entry, and never overrides one.

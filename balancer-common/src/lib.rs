@@ -249,7 +249,8 @@ pub struct FlowEntry {
     /// Where the client's packets go next (towards the backend), and the replies.
     pub to_backend: NextHop,
     pub to_client: NextHop,
-    /// Swapped to 1 by the first FIN or RST, atomically: when both ends close at once, their
+    /// Swapped to 1 by the packet that ends the flow (see `closed`), atomically: when both
+    /// ends close at once, their
     /// packets can meet `closed == 0` on two CPUs, and only the one that swaps a 0 out counts
     /// the close. A u64 because the bpf target swaps 64 bits at its base instruction set.
     pub close_claim: u64,
@@ -411,7 +412,7 @@ pub struct FlowEvent {
 /// A new flow, placed by its SYN, now that the client's first ACK has followed: it replaces
 /// whatever another gateway's entry for the tuple says (a new connection reusing it).
 pub const FLOW_EVENT_OPEN: u8 = 1;
-/// The flow's first FIN or RST.
+/// The flow ended (see `FlowEntry::closed`).
 pub const FLOW_EVENT_CLOSE: u8 = 2;
 /// A live flow reported again before other gateways' entries could expire, or a flow this
 /// gateway placed without seeing its SYN (a guess): it only fills a place where another

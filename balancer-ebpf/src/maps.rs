@@ -99,7 +99,7 @@ pub static LOAD: Array<BackendLoad> = Array::with_max_entries(MAX_BACKENDS, BPF_
 #[map]
 pub static OPENS: Array<u64> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAPABLE);
 
-/// Connections closed (first FIN or RST) per backend, shared like `OPENS`: a connection that
+/// Connections closed (see `FlowEntry::closed`) per backend, shared like `OPENS`: a connection that
 /// ended gives its room back before the agent's next update.
 #[map]
 pub static CLOSES: Array<u64> = Array::with_max_entries(MAX_BACKENDS, BPF_F_MMAPABLE);

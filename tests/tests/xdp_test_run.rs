@@ -647,6 +647,55 @@ fn a_reload_asks_for_the_model_the_file_now_names() -> Result<()> {
     })
 }
 
+/// `drain --wait` of a DOWN server: a connection whose client has been quiet for DSR_QUIET
+/// is over (a dead host answers no FIN, and a client's FIN only half-closes), while the
+/// server was UP it still counted.
+#[test]
+fn a_down_servers_quiet_connections_are_over() -> Result<()> {
+    in_topology(|| {
+        let n = &v4();
+        let mut config = config(std::slice::from_ref(n));
+        config.agent.fall = 1;
+        let (mut h, _) = Harness::load(&config)?;
+        let syn = client_syn(n, n.vip, 40900);
+        for frame in [
+            syn.clone(),
+            syn.with(|f| f.flags = "A"),
+            syn.with(|f| f.flags = "FA"),
+        ] {
+            let (verdict, _) = h.run(h.g0, &frame.bytes())?;
+            ensure!(
+                verdict == XDP_REDIRECT,
+                "{}: verdict {verdict}",
+                frame.flags
+            );
+        }
+        let key = flow_key(n, n.vip, 40900);
+        let mut e = h.dp.flow_table().get(&key, 0)?;
+        e.last_seen_ns -= (balancer_agent::controller::DSR_QUIET.as_nanos() + 5_000_000_000) as u64;
+        h.dp.flow_table().insert(key, e, 0)?;
+        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        let server = n.backend.to_string();
+        controller.drain("a0", &server, true)?;
+        let open = |c: &balancer_agent::controller::Controller| -> Result<u64> {
+            match c.drain_status("a0", &server)?.answer() {
+                balancer_agent::control::Response::DrainStatus(s) => Ok(s.flows),
+                other => anyhow::bail!("{other:?}"),
+            }
+        };
+        let up = open(&controller)?;
+        let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
+        controller.checked(vec![(key, None, Err(anyhow::anyhow!("refused")))]);
+        // Past CENSUS_REUSE: a census of the other kind is walked anyway.
+        let down = open(&controller)?;
+        ensure!(
+            (up, down) == (1, 0),
+            "connections counted open: {up} while UP, {down} once DOWN (expected 1, 0)"
+        );
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry
@@ -953,6 +1002,16 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         XDP_REDIRECT,
         &to_client(&fin_back).bytes(),
         Counter::Return,
+    )?;
+    // A RST after it ends nothing more.
+    let late_rst = syn.with(|f| f.flags = "RA");
+    h.expect(
+        &format!("{fam} RST after the end"),
+        g0,
+        &late_rst.bytes(),
+        XDP_REDIRECT,
+        &to_backend(&late_rst).bytes(),
+        Counter::Forward,
     )?;
     let s1 = h.stats(backend_id);
     ensure!(
@@ -2739,7 +2798,7 @@ fn reported(ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<Event> {
 
 /// Flows shared with other gateways (`[sync]`): the program reports a new flow once the
 /// client's ACK follows its SYN, a keepalive once a third of the idle timeout has passed
-/// since the last report (not before), the first FIN only, and a flow placed without its SYN
+/// since the last report (not before), its end once, and a flow placed without its SYN
 /// as a guess; a VIP without sharing reports nothing. A flow another gateway reported
 /// (written by the agent) is followed by a mid-stream packet that has no SYN here, to the
 /// server that gateway chose rather than this one's Maglev pick; its close is reported but
@@ -2830,9 +2889,10 @@ fn reports(
     }
     run(h, g1, &reply.with(|f| f.flags = "FA"))?;
     run(h, g0, &ack.with(|f| f.flags = "FA"))?;
+    run(h, g0, &ack.with(|f| f.flags = "RA"))?;
     ensure!(
         reported(ring) == want(vec![event(Kind::Close, 40300)]),
-        "{fam}: the first FIN only"
+        "{fam}: the end once (the server's FIN; not the client's FIN, nor a RST after)"
     );
     // Placed without its SYN: a guess, shared as such.
     run(h, g0, &ack.with(|f| f.sport = 40302))?;
@@ -2975,7 +3035,8 @@ impl Flood {
     /// already, is not (which were past it depends on when the coarse clock ticked during
     /// the flood: the ring says). Their ends (`end(h, k)`): the first flow's is reported,
     /// and a flow's past the allowance, never told of, is not (forged pairs of packets and
-    /// their ends buy no report past the allowance), unless a peer reported it. Without
+    /// their ends buy no report past the allowance), unless a peer reported it while it was
+    /// quiet here. Without
     /// sharing, neither reported nor counted.
     fn check(
         &self,
