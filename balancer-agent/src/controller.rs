@@ -34,9 +34,9 @@ pub type ServerKey = (String, SocketAddr);
 const STALE_INTERVALS: u32 = 3;
 
 /// For `drain --wait` on a DSR pool (or of a DOWN server), a connection whose client sent
-/// nothing for this long is no longer open on the server: a stream's client acknowledges its tokens as they come,
-/// and servers close idle kept-alive connections sooner (uvicorn, under vLLM and SGLang,
-/// after 5 s).
+/// nothing for this long is no longer open on the server: a stream's client acknowledges its
+/// tokens as they come, and servers close idle kept-alive connections sooner (uvicorn, under
+/// vLLM and SGLang, after 5 s).
 pub const DSR_QUIET: Duration = Duration::from_secs(10);
 
 struct Server {
