@@ -10,7 +10,7 @@ use std::{
 };
 
 use balancer_common::{
-    hint::{HintRange, HintRangeError, DEFAULT_HINT_BUCKETS, MAX_HINT_BUCKETS},
+    hint::{HintRange, DEFAULT_HINT_BUCKETS},
     DEFAULT_FLOW_ENTRIES, DEFAULT_IDLE_TIMEOUT_S, MAGLEV_SIZE, MAX_INTERFACES, MAX_REPLY_VIPS,
     MAX_VIPS,
 };
@@ -215,15 +215,9 @@ impl Pool {
 fn parse_hint_range(ports: &str, buckets: u16) -> Result<Option<HintRange>, String> {
     if ports == "off" {
         // Unused, but a value out of range is a mistake all the same.
-        let unusable = match buckets {
-            0 => Some(HintRangeError::NoBuckets),
-            b if b > MAX_HINT_BUCKETS => Some(HintRangeError::TooManyBuckets),
-            _ => None,
-        };
-        return match unusable {
-            Some(e) => Err(format!("hint_buckets = {buckets}: {}", e.message())),
-            None => Ok(None),
-        };
+        return HintRange::check_buckets(buckets)
+            .map(|()| None)
+            .map_err(|e| format!("hint_buckets = {buckets}: {}", e.message()));
     }
     let bad = || format!("{ports:?} is not \"FIRST-LAST\" (e.g. \"16384-32767\") or \"off\"");
     let (first, last) = ports.split_once('-').ok_or_else(bad)?;

@@ -1012,8 +1012,8 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
 }
 
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
-/// not ended (`FlowEntry::closed`) and not idle past their timeout, nor, with `quiet`, for longer
-/// than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million
+/// not ended (`FlowEntry::closed`) and not idle past their timeout, nor, with `quiet`, for
+/// longer than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million
 /// entries), so it is for occasional questions (has a drained server's last stream ended?),
 /// asked without the controller's lock.
 pub fn live_flows(

@@ -72,12 +72,7 @@ impl HintRange {
     };
 
     pub fn new(start: u16, span: u16, buckets: u16) -> Result<Self, HintRangeError> {
-        if buckets == 0 {
-            return Err(HintRangeError::NoBuckets);
-        }
-        if buckets > MAX_HINT_BUCKETS {
-            return Err(HintRangeError::TooManyBuckets);
-        }
+        Self::check_buckets(buckets)?;
         if start == 0 {
             return Err(HintRangeError::StartsAtZero);
         }
@@ -92,6 +87,15 @@ impl HintRange {
             span,
             buckets,
         })
+    }
+
+    /// Whether a range may have `buckets` buckets, whatever its ports.
+    pub fn check_buckets(buckets: u16) -> Result<(), HintRangeError> {
+        match buckets {
+            0 => Err(HintRangeError::NoBuckets),
+            b if b > MAX_HINT_BUCKETS => Err(HintRangeError::TooManyBuckets),
+            _ => Ok(()),
+        }
     }
 
     /// The bucket a source port hints, or None for an ordinary port.

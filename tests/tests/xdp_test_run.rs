@@ -670,10 +670,10 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
                 frame.flags
             );
         }
-        let key = flow_key(n, n.vip, 40900);
-        let mut e = h.dp.flow_table().get(&key, 0)?;
-        e.last_seen_ns -= (balancer_agent::controller::DSR_QUIET.as_nanos() + 5_000_000_000) as u64;
-        h.dp.flow_table().insert(key, e, 0)?;
+        let quiet = (balancer_agent::controller::DSR_QUIET.as_nanos() + 5_000_000_000) as u64;
+        edit_flow(&mut h, &flow_key(n, n.vip, 40900), |e| {
+            e.last_seen_ns -= quiet
+        })?;
         let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
         let server = n.backend.to_string();
         controller.drain("a0", &server, true)?;
@@ -975,15 +975,13 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
         &to_backend(&fin).bytes(),
         Counter::Forward,
     )?;
-    let key = flow_key(n, n.vip, 40001);
-    let mut half = h.dp.flow_table().get(&key, 0)?;
+    use balancer_agent::sweep;
+    let quiet = (sweep::QUIET + std::time::Duration::from_secs(5)).as_nanos() as u64;
+    let half = edit_flow(h, &flow_key(n, n.vip, 40001), |e| e.last_seen_ns -= quiet)?;
     ensure!(
         half.closed == 0 && h.stats(backend_id).flows_closed == s0.flows_closed,
         "{fam}: the client's FIN closed the flow"
     );
-    use balancer_agent::sweep;
-    half.last_seen_ns -= (sweep::QUIET + std::time::Duration::from_secs(5)).as_nanos() as u64;
-    h.dp.flow_table().insert(key, half, 0)?;
     sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
     let answer = reply.with(|f| f.flags = "PA");
     h.expect(
@@ -2191,12 +2189,24 @@ fn a_syn_leaves_a_down_server(
 
 /// Makes the flow `key`'s entry idle past its timeout, as if it had gone quiet long ago.
 fn expire(h: &mut Harness, key: &balancer_common::FlowKey) -> Result<()> {
-    let mut e = h.dp.flow_table().get(key, 0)?;
-    // A short timeout rather than a long-past time: the clock starts at boot.
-    e.idle_timeout_s = 2;
-    e.last_seen_ns = e.last_seen_ns.saturating_sub(4_000_000_000);
-    h.dp.flow_table().insert(key, e, 0)?;
+    edit_flow(h, key, |e| {
+        // A short timeout rather than a long-past time: the clock starts at boot.
+        e.idle_timeout_s = 2;
+        e.last_seen_ns = e.last_seen_ns.saturating_sub(4_000_000_000);
+    })?;
     Ok(())
+}
+
+/// Rewrites the flow `key`'s entry as `f` changes it; the entry written.
+fn edit_flow(
+    h: &mut Harness,
+    key: &balancer_common::FlowKey,
+    f: impl FnOnce(&mut balancer_common::FlowEntry),
+) -> Result<balancer_common::FlowEntry> {
+    let mut e = h.dp.flow_table().get(key, 0)?;
+    f(&mut e);
+    h.dp.flow_table().insert(key, e, 0)?;
+    Ok(e)
 }
 
 /// The epoch a cached next hop is good for: the program's clock >> 30.
@@ -2992,21 +3002,19 @@ fn aged(
     sport: u16,
     f: impl FnOnce(&mut balancer_common::FlowEntry),
 ) -> Result<u32> {
-    let key = flow_key(n, n.vip, sport);
-    let mut e = h.dp.flow_table().get(&key, 0)?;
-    f(&mut e);
-    e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
-    h.dp.flow_table().insert(key, e, 0)?;
+    let e = edit_flow(h, &flow_key(n, n.vip, sport), |e| {
+        f(e);
+        e.last_seen_ns = e.last_seen_ns.saturating_sub(2_000_000_000);
+    })?;
     Ok(e.synced)
 }
 
 /// Makes flow `sport`'s (client to `n.vip`) last packet now, so that its next one checks no
 /// keepalive.
 fn refreshed(h: &mut Harness, n: &Net, sport: u16) -> Result<()> {
-    let key = flow_key(n, n.vip, sport);
-    let mut e = h.dp.flow_table().get(&key, 0)?;
-    e.last_seen_ns = balancer_agent::dataplane::monotonic_ns();
-    h.dp.flow_table().insert(key, e, 0)?;
+    edit_flow(h, &flow_key(n, n.vip, sport), |e| {
+        e.last_seen_ns = balancer_agent::dataplane::monotonic_ns()
+    })?;
     Ok(())
 }
 
@@ -3036,8 +3044,7 @@ impl Flood {
     /// the flood: the ring says). Their ends (`end(h, k)`): the first flow's is reported,
     /// and a flow's past the allowance, never told of, is not (forged pairs of packets and
     /// their ends buy no report past the allowance), unless a peer reported it while it was
-    /// quiet here. Without
-    /// sharing, neither reported nor counted.
+    /// quiet here. Without sharing, neither reported nor counted.
     fn check(
         &self,
         h: &mut Harness,
@@ -3112,9 +3119,7 @@ impl Flood {
         // A peer reports one open (its packets went there too): the peers know of it after
         // all, and hear of its end.
         let key = flow_key(n, n.vip, self.port(peer_told));
-        let mut e = h.dp.flow_table().get(&key, 0)?;
-        e.last_seen_ns -= 3_000_000_000;
-        h.dp.flow_table().insert(key, e, 0)?;
+        let e = edit_flow(h, &key, |e| e.last_seen_ns -= 3_000_000_000)?;
         let target = (e.backend_id, e.nat_addr, e.nat_port);
         ensure!(
             h.dp.adopt_flow(&key, target, 600, Kind::Open)?,
