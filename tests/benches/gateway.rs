@@ -16,6 +16,9 @@
 //!   Namespaces share the machine's CPUs, so softirq also holds the client's and backends'
 //!   receive processing, the same for every system; the difference is the gateway's.
 //!
+//! For context, the bulk phase's loss: TCP segments retransmitted, per thousand the client
+//! received, and packets the gateway's links dropped on transmit.
+//!
 //! Each figure is the median over the rounds; the ratios compare those medians.
 //!
 //! A fourth system runs in the same rounds for context, outside the goal: ours with direct
@@ -31,6 +34,7 @@ use anyhow::{ensure, Context, Result};
 use balancer_tests::agent::{release_agent_binary, Agent, AgentConfig};
 use balancer_tests::bench::{cpu_seconds, fmt, median, quick_flag, MachineCpu, Report};
 use balancer_tests::competitors::{Haproxy, Nft};
+use balancer_tests::netns::Netns;
 use balancer_tests::process::Process;
 use balancer_tests::topology::{
     backend_name, Family, Topology, BACKENDS, BACKEND_PORT, METRICS_PORT,
@@ -91,6 +95,10 @@ struct Sample {
     gbps: Option<f64>,
     gateway_cpu_ms_per_1k: Option<f64>,
     machine_cpu_ms_per_1k: Option<f64>,
+    /// During the bulk phase: TCP segments retransmitted (every namespace) per thousand the
+    /// client received, and packets the links dropped on transmit.
+    retrans_per_1k: Option<f64>,
+    link_drops: Option<f64>,
     errors: u64,
 }
 
@@ -334,6 +342,7 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
             ],
         ),
     )?;
+    let path0 = PathCounters::read(topology)?;
     let bulk = loadgen(
         topology,
         &args(
@@ -346,6 +355,7 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
             ],
         ),
     )?;
+    let path = PathCounters::read(topology)?.since(&path0);
     let errors = [&rate, &latency, &bulk]
         .iter()
         .map(|v| v["errors"].as_u64().unwrap_or(0))
@@ -364,8 +374,69 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
         gbps: bytes.map(|b| b * 8.0 / 1e9),
         gateway_cpu_ms_per_1k: per_1k(machine.softirq + own),
         machine_cpu_ms_per_1k: per_1k(machine.busy),
+        retrans_per_1k: (path.client_in_segs > 0)
+            .then(|| path.retrans_segs as f64 * 1e3 / path.client_in_segs as f64),
+        link_drops: Some(path.link_drops as f64),
         errors,
     })
+}
+
+/// Loss on the bulk streams' path, which the throughput line alone does not show: what the
+/// TCP stacks retransmitted (the backends and, for HAProxy, the gateway send the data), what
+/// the client received, and what the links dropped on transmit for want of room in the
+/// receiving end's ring.
+#[derive(Debug, Default)]
+struct PathCounters {
+    retrans_segs: u64,
+    client_in_segs: u64,
+    link_drops: u64,
+}
+
+impl PathCounters {
+    fn read(topology: &Topology) -> Result<Self> {
+        let mut out = Self {
+            client_in_segs: tcp_counter(topology.client(), "InSegs")?,
+            ..Self::default()
+        };
+        for ns in topology.namespaces() {
+            out.retrans_segs += tcp_counter(ns, "RetransSegs")?;
+            let drops = ns.exec("sh", &["-c", "cat /sys/class/net/*/statistics/tx_dropped"])?;
+            for line in drops.lines() {
+                out.link_drops += line
+                    .trim()
+                    .parse::<u64>()
+                    .with_context(|| format!("tx_dropped in {}: {line:?}", ns.name()))?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn since(&self, earlier: &Self) -> Self {
+        Self {
+            retrans_segs: self.retrans_segs - earlier.retrans_segs,
+            client_in_segs: self.client_in_segs - earlier.client_in_segs,
+            link_drops: self.link_drops - earlier.link_drops,
+        }
+    }
+}
+
+/// A counter of the `Tcp:` lines of `/proc/net/snmp` in `ns` (a header line of names, then
+/// one of values).
+fn tcp_counter(ns: &Netns, name: &str) -> Result<u64> {
+    let snmp = ns.exec("cat", &["/proc/net/snmp"])?;
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (Some(names), Some(values)) = (tcp.next(), tcp.next()) else {
+        anyhow::bail!("no Tcp lines in /proc/net/snmp of {}", ns.name());
+    };
+    let at = names
+        .split_whitespace()
+        .position(|n| n == name)
+        .with_context(|| format!("no Tcp {name} in /proc/net/snmp of {}", ns.name()))?;
+    values
+        .split_whitespace()
+        .nth(at)
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("bad Tcp {name} in /proc/net/snmp of {}", ns.name()))
 }
 
 fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> Report {
@@ -442,7 +513,14 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
          plus HAProxy's user + system time from `/proc/PID/stat` for HAProxy, divided by the \
          connections made. The namespaces share the machine's CPUs, so softirq also holds \
          the client's and backends' own receive processing, the same for every system: the \
-         differences are the gateway's. Tick-sampled (250 Hz).\n\n",
+         differences are the gateway's. Tick-sampled (250 Hz).\n\
+         - loss during the bulk phase (context): TCP segments retransmitted by the client's, \
+         the gateway's and the backends' stacks (`RetransSegs`, `/proc/net/snmp`) per \
+         thousand the client received (`InSegs`), and packets the topology's links dropped on \
+         transmit (`tx_dropped`: a veth drops what it sends when its peer's ring of 256 \
+         frames is full; its peer has such a ring when an XDP program is attached to it, as \
+         ours is to the gateway's two links, and otherwise takes packets into the CPU's \
+         backlog of 1000).\n\n",
         plan.concurrency,
         plan.rate_phase.as_secs_f64(),
         plan.offered,
@@ -513,6 +591,32 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
         fmt(machine[2], 1),
         fmt(machine[3], 1)
     );
+    for (key, label, decimals, get) in [
+        (
+            "retrans_per_1k",
+            "(context) bulk: TCP segments retransmitted per 1000 the client received (client, gateway, backends)",
+            1,
+            (|x: &Sample| x.retrans_per_1k) as fn(&Sample) -> Option<f64>,
+        ),
+        (
+            "link_drops",
+            "(context) bulk: packets the links dropped on transmit, the receiving end's ring full",
+            0,
+            |x: &Sample| x.link_drops,
+        ),
+    ] {
+        let v: Vec<Option<f64>> = (0..SYSTEMS.len()).map(|s| med(s, get)).collect();
+        md += &format!(
+            "| {label} | {} | {} | {} | | | | {} |\n",
+            fmt(v[0], decimals),
+            fmt(v[1], decimals),
+            fmt(v[2], decimals),
+            fmt(v[3], decimals)
+        );
+        for (s, value) in SYSTEMS.iter().zip(&v) {
+            out.figures.insert(format!("{}.{key}", s.key()), *value);
+        }
+    }
     let errors: Vec<u64> = samples
         .iter()
         .map(|s| s.iter().map(|x| x.errors).sum())

@@ -447,6 +447,16 @@ impl Topology {
         &self.backends[index]
     }
 
+    /// Every namespace of the topology.
+    pub fn namespaces(&self) -> impl Iterator<Item = &Netns> {
+        [&self.client, &self.gw, &self.sw]
+            .into_iter()
+            .chain(&self.gw2)
+            .chain(&self.far)
+            .chain(&self.far_server)
+            .chain(&self.backends)
+    }
+
     /// A directory that lives as long as the topology, for logs and configuration files.
     pub fn dir(&self) -> &Path {
         self.dir.path()
