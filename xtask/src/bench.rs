@@ -10,7 +10,8 @@
 //!
 //! The full run writes `docs/benchmarks.md`; `--quick` runs reduced versions (under three
 //! minutes once built; part of `cargo xtask test`) and writes `target/bench/benchmarks.md`
-//! instead, leaving the docs alone.
+//! instead, leaving the docs alone. A full run whose tables are committed gets its row in
+//! both tables of `docs/benchmark-history.md`, by hand.
 
 use std::{
     fs,
@@ -249,7 +250,8 @@ fn header(
          - run time: {:.0} s ({}), after {:.0} s of building\n\n\
          Where a goal is missed, the table says so. Reproduce with `cargo xtask bench` as \
          root; each part alone with `cargo bench -p balancer-tests --bench NAME [-- --quick]`.\n\n\
-         Why goals are missed, as far as we know:\n\n\
+         Why goals are missed, as far as we know. Every full run's key figures since the \
+         first: [benchmark-history.md](benchmark-history.md).\n\n\
          - packet cost: the program rewrites what it forwards, so a packet runs once per test \
          run and the floor is mostly the kernel's per-run timer (compare it with the floor at \
          `repeat` = 1000000 in section 1). What an established packet adds is mostly cache \
@@ -260,62 +262,43 @@ fn header(
          caches holds up to the egress MTU, so the first packet after the SYN is spared one \
          too (that packet cost about twice as much before, in an A/B run). The direct \
          server return rows change no address, port or checksum and cost about what the NAT \
-         rows cost: the rewrite is not where the time goes.\n\
+         rows cost: the rewrite is not where the time goes. A profile of the whole section \
+         (`perf record -a -g`, samples under `bpf_test_run`) put a third of the time in the \
+         hash table's bucket walk (`lookup_nulls_elem_raw`, the cold entries), a tenth in \
+         hashing the keys, a tenth in the timer, and a fifth in the program itself.\n\
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
-         the systems differ. At 03:47 on 2026-12-02 ours stayed between 1.7 and 3.6 ms while \
-         nftables had two quiet rounds under 0.9 ms (and HAProxy one). Run again at 05:20 with \
-         only ours and nftables (five rounds, the same phases), the two were level: ours 1.78 \
-         to 3.55 ms (median 2.46), nftables 0.82 to 3.30 ms (median 2.34); during each latency \
-         phase no CPU's softirq ran out of budget (`time_squeeze` in `/proc/net/softnet_stat` \
-         unchanged), nothing was dropped and ksoftirqd ran for 1 or 2 ticks, so the tail is not \
-         softirq work deferred to a thread. Stopping the agent during the measurement did not \
-         change it either. At 06:05 ours (2.66 ms) was ahead of nftables (2.85) and behind \
-         HAProxy (2.46). At 08:55 the whole machine was quieter (every system's p99 three to \
-         five times lower) and ours was ahead of both: 0.52 ms against 0.57 (nftables) and 0.68 \
-         (HAProxy). At 13:31 the machine was slower again (every figure of that run below the \
-         08:55 one: packet costs about 1.6 times as high, connections per second a third lower) \
-         and ours trailed nftables by 5% (2.72 against 2.59 ms), ahead of HAProxy (4.29). At \
-         16:18 ours was ahead of both again: 1.30 ms against 1.52 (nftables) and 2.85 \
-         (HAProxy), and at 00:40 on 2026-12-03, on another host (an Intel Xeon), too: \
-         0.744 ms against 0.760 and 1.136. The p50 is steady, within a few percent of \
-         nftables (0.372 against 0.364 ms \
-         at 03:47, ahead at 00:39 and at 06:05).\n\
-         - bulk throughput, where it is missed: ours and nftables are about level (at 08:55 \
-         ours led nftables in three rounds of five, from 1.62 to 2.47 Gbit/s, yet its median \
-         was 14% lower), and HAProxy led in the last nine runs (by 19% at 18:34 on 2026-12-01, \
-         by 28% and in every round at 21:29, by 11% at 00:39 on 2026-12-02, by 24% at 03:47, by \
-         14% at 06:05, by 48% at 08:55, by 22% at 13:31, when ours trailed nftables by 2%, by 23% \
-         at 16:18, when ours trailed nftables by 3%, by 13% at 00:40 on \
-         2026-12-03, when ours trailed nftables by 3%), where \
-         ours had led it by 5% on 2026-11-30 (per-round \
-         table in section 2). GRO is off on these veth links (veth's default), so nftables \
-         forwards every 1500-byte frame as the XDP program does, and HAProxy relays between two \
-         TCP connections; the client's and the backends' TCP stacks share the two CPUs with the \
-         gateway, so the line measures them as much as the gateway. A profile of one bulk phase \
-         of each (`perf record -a -e cpu-clock`) found both CPUs about 20% idle with ours and \
-         with nftables (not with HAProxy), and the XDP program at 1.6% of the samples: the \
-         gateway's CPU is not what limits these streams. With direct server return (the context \
-         column: its answers go around the gateway, so not the same path) the same streams run \
-         at about twice the rate.\n\
+         the systems differ; ours had the lowest in 11 of the first 18 runs. Where it trailed, \
+         the tail was not the gateway's work: in five rounds of ours and nftables alone the \
+         two were level (medians 2.46 and 2.34 ms), no CPU's softirq ran out of budget \
+         (`time_squeeze` in `/proc/net/softnet_stat` unchanged), nothing was dropped, \
+         ksoftirqd ran for a tick or two, and stopping the agent changed nothing. The p50 is \
+         steady, within a few percent of nftables' or ahead.\n\
+         - bulk throughput, where it is missed: the loss rows of section 2 show why. Forwarded \
+         (ours, nftables), a stream is one TCP connection from a backend to the client, and a \
+         packet lost anywhere on the way makes the backend retransmit and back off; HAProxy \
+         relays between two TCP connections, each recovering on its own shorter loop, and \
+         loses and retransmits a small fraction as much. The packets are lost where a veth \
+         sends into a peer with an XDP program, which takes them into a ring of 256 frames \
+         rather than the CPU's backlog of 1000: the gateway's two links (ours) and the \
+         client's link (an `xdp-pass` program, so that ours can redirect to it). The \
+         client's and backends' TCP stacks share the two CPUs with the gateway, so the line \
+         measures them as much as the gateway: a profile of one bulk phase found both CPUs \
+         about 20% idle with ours and with nftables (not with HAProxy), and the XDP program at \
+         1.6% of the samples. HAProxy had the highest bulk figure in 16 of the first 18 runs, \
+         nftables in the other two. With direct server return (the context column: its \
+         answers go around the gateway) the same streams run two to three times as fast.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
-         hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 requests \
-         is the sixth slowest: the same policy's p99 moves by more than a second between runs \
-         (ours with hints, tight cache: 3.3 s at 18:34 on 2026-12-01, 5.0 s at 21:29, 4.3 s at \
-         08:55 and at 13:31, 3.4 s at 16:18 on 2026-12-02, when it was the lowest of the five \
-         policies in the tight cache and second to round-robin's in the roomy one, 5.3 s \
-         at 00:40 on 2026-12-03, when it was the highest but random's with either cache).\n\
+         hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 \
+         requests is the sixth slowest, and one policy's p99 moves by more than a second \
+         between runs: hints had the lowest in 6 of the first 18 runs with the tight cache \
+         and 3 with the roomy one.\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
-         runs (at 08:55, tight cache, hints trailed least-connections by 0.7 points and \
-         round-robin by 0.1; roomy, they led every policy; at 13:31 the other way round: tight, \
-         hints led every policy by 2.5 points or more; roomy, they trailed random by 0.4; at 16:18 \
-         tight, hints led every policy by 1.9 points or more; roomy, all five policies were \
-         within 0.6 points, hints 0.06 behind least-connections and 0.13 behind random; at \
-         00:40 on 2026-12-03 hints led every policy with either cache, by 1.5 \
-         points or more tight and 1.4 or more roomy).\n\n",
+         runs: hints had the highest in 13 of the first 18 runs with the tight cache and 9 \
+         with the roomy one.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
         timings.join(", "),
