@@ -28,17 +28,20 @@ enum Command {
     /// the configuration; SIGINT or SIGTERM detach and exit (with `agent.pin_dir`, leave the
     /// program attached and pinned for the next agent, which takes it over).
     Run {
+        /// The configuration file (TOML; every key in docs/configuration.md).
         #[arg(long, short)]
         config: PathBuf,
     },
     /// Remove what a stopped agent left pinned in its `agent.pin_dir`: detaches the program
     /// from every interface (open connections through the VIPs are lost) and unpins its maps.
     Detach {
+        /// The configuration file (TOML; every key in docs/configuration.md).
         #[arg(long, short)]
         config: PathBuf,
     },
     /// Check a configuration file and print what it defines, without touching the system.
     Check {
+        /// The configuration file (TOML; every key in docs/configuration.md).
         #[arg(long, short)]
         config: PathBuf,
     },
@@ -50,21 +53,25 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// The agent's control socket (`agent.control_socket`).
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
     /// A pool's hint buckets in use: how many hinted connections each had lately, its home,
     /// the servers it spills to, and the rendezvous home where balancing moved it.
     Buckets {
+        /// The pool's name.
         pool: String,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// The agent's control socket (`agent.control_socket`).
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
     /// Stop sending new connections to a server; established ones finish.
     Drain {
+        /// The pool's name.
         pool: String,
         /// Address, or address:port when the address is not enough.
         server: String,
@@ -74,19 +81,24 @@ enum Command {
         /// With `--wait`: give up waiting after this many seconds (at most a year).
         #[arg(long, default_value_t = 3600, requires = "wait", value_parser = clap::value_parser!(u64).range(1..=MAX_WAIT_S))]
         timeout: u64,
+        /// The agent's control socket (`agent.control_socket`).
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
     /// Let a drained server take new connections again.
     Undrain {
+        /// The pool's name.
         pool: String,
+        /// Address, or address:port when the address is not enough.
         server: String,
+        /// The agent's control socket (`agent.control_socket`).
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
     /// The source port that hints a prompt prefix to the pool: prints `--local-port N` for
     /// curl, or just the number with `--port`.
     Hint {
+        /// The pool's name.
         #[arg(long)]
         pool: String,
         /// The prefix, as the client will send it.
@@ -105,13 +117,16 @@ enum Command {
         /// Read the pool's hint range from this configuration instead of asking the agent.
         #[arg(long, conflicts_with = "socket")]
         config: Option<PathBuf>,
+        /// The agent's control socket (`agent.control_socket`), when it is not the default.
         #[arg(long)]
         socket: Option<PathBuf>,
     },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
+        /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// The agent's control socket (`agent.control_socket`).
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },

@@ -411,11 +411,12 @@ impl PathCounters {
         Ok(out)
     }
 
+    /// Saturating: a link deleted between two reads takes its count with it.
     fn since(&self, earlier: &Self) -> Self {
         Self {
-            retrans_segs: self.retrans_segs - earlier.retrans_segs,
-            client_in_segs: self.client_in_segs - earlier.client_in_segs,
-            link_drops: self.link_drops - earlier.link_drops,
+            retrans_segs: self.retrans_segs.saturating_sub(earlier.retrans_segs),
+            client_in_segs: self.client_in_segs.saturating_sub(earlier.client_in_segs),
+            link_drops: self.link_drops.saturating_sub(earlier.link_drops),
         }
     }
 }
