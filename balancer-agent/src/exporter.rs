@@ -2,12 +2,21 @@
 //! a monitoring system can scrape (`[agent] metrics_listen`, `GET /metrics`). Collected on
 //! each scrape from a snapshot of the controller, so nothing here can drift from `show`.
 
+use std::{sync::Arc, time::Duration};
+
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
 use prometheus_client::{
     collector::Collector,
     encoding::{text::encode, DescriptorEncoder, EncodeMetric},
     metrics::{counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
+
+use tokio::{net::TcpListener, sync::Semaphore, time::timeout};
+use tracing::{debug, warn};
 
 use crate::control::PoolView;
 
@@ -33,6 +42,65 @@ pub fn render(snapshot: Snapshot) -> Result<String, std::fmt::Error> {
     let mut out = String::new();
     encode(&mut out, &registry)?;
     Ok(out)
+}
+
+/// What the endpoint allows its clients, so that no client, slow or many, can hold on to the
+/// agent's file descriptors (its scrapes, health checks and map walks need them) or its time.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Clients served at once; one past it is closed at once. Prometheus and a person or two
+    /// need a few.
+    pub clients: usize,
+    /// For a request's headers, from the connection's start or the previous answer.
+    pub headers: Duration,
+    /// For a connection: a kept-alive one is closed after it (between two requests).
+    pub connection: Duration,
+}
+
+impl Limits {
+    pub const DEFAULT: Limits = Limits {
+        clients: 32,
+        headers: Duration::from_secs(5),
+        connection: Duration::from_secs(60),
+    };
+}
+
+/// Serves `app` on `listener` within `limits`, until the task is dropped.
+pub async fn serve(listener: TcpListener, app: axum::Router, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.clients));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.headers);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: wait for some to come back rather than spin.
+                warn!("metrics endpoint: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            debug!(
+                "metrics endpoint: {} clients already, closing one more",
+                limits.clients
+            );
+            continue;
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut conn = std::pin::pin!(conn);
+            if timeout(limits.connection, conn.as_mut()).await.is_err() {
+                // Lets an answer under way finish; a client that takes too long to read it
+                // is dropped.
+                conn.as_mut().graceful_shutdown();
+                let _ = timeout(limits.headers, conn).await;
+            }
+        });
+    }
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -181,6 +249,104 @@ impl Collector for Snapshot {
 mod tests {
     use super::*;
     use crate::control::ServerRow;
+    use std::time::Instant;
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpStream,
+    };
+
+    /// Waits (at most `within`) for `stream` to be closed by the other end.
+    async fn closed(stream: &mut TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 4096];
+        loop {
+            match timeout(within, stream.read(&mut buf)).await {
+                Err(_) => return false,
+                Ok(Ok(0) | Err(_)) => return true,
+                Ok(Ok(_)) => {}
+            }
+        }
+    }
+
+    async fn get(stream: &mut TcpStream) -> String {
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nhost: agent\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let n = timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_bounds_its_clients() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().route("/metrics", axum::routing::get(|| async { "up" }));
+        let limits = Limits {
+            clients: 2,
+            headers: Duration::from_millis(400),
+            connection: Duration::from_secs(2),
+        };
+        let server = tokio::spawn(serve(listener, app, limits));
+
+        // Two clients that send nothing take both places; a third is closed at once.
+        let mut silent = [
+            TcpStream::connect(addr).await.unwrap(),
+            TcpStream::connect(addr).await.unwrap(),
+        ];
+        let mut third = TcpStream::connect(addr).await.unwrap();
+        let started = Instant::now();
+        assert!(closed(&mut third, Duration::from_secs(5)).await);
+        assert!(
+            started.elapsed() < limits.headers,
+            "{:?}",
+            started.elapsed()
+        );
+        // The silent ones are closed once their headers are overdue.
+        for s in &mut silent {
+            assert!(closed(s, Duration::from_secs(5)).await);
+        }
+        assert!(
+            started.elapsed() >= limits.headers,
+            "{:?}",
+            started.elapsed()
+        );
+
+        // Their places are free again; a client asking in time is answered, on one
+        // connection, until the connection's time is up.
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let started = Instant::now();
+        let mut answers = 0;
+        while started.elapsed() < Duration::from_secs(5) {
+            client
+                .write_all(b"GET /metrics HTTP/1.1\r\nhost: agent\r\n\r\n")
+                .await
+                .ok();
+            let mut buf = [0u8; 4096];
+            match timeout(Duration::from_secs(5), client.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => {
+                    let answer = String::from_utf8_lossy(&buf[..n]);
+                    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+                    answers += 1;
+                }
+                _ => break,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let lived = started.elapsed();
+        assert!(answers > 5, "{answers} answers");
+        assert!(
+            lived >= limits.connection && lived < limits.connection * 2,
+            "the connection lived {lived:?}"
+        );
+        assert!(get(&mut TcpStream::connect(addr).await.unwrap())
+            .await
+            .starts_with("HTTP/1.1 200"));
+        server.abort();
+    }
 
     fn row(server: &str, state: &str, running: Option<f64>) -> ServerRow {
         ServerRow {

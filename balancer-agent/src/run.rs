@@ -459,9 +459,7 @@ async fn export(listener: TcpListener, ctl: Shared) {
             }
         }),
     );
-    if let Err(e) = axum::serve(listener, app).await {
-        warn!("metrics endpoint stopped: {e}");
-    }
+    exporter::serve(listener, app, exporter::Limits::DEFAULT).await;
 }
 
 /// Deletes the flow table's ended and unanswered entries once quiet (`sweep.rs`), on a
