@@ -130,14 +130,19 @@ pub struct DrainStatus {
     /// Why its last scrape failed, if it did.
     #[serde(default)]
     pub scrape_error: Option<String>,
+    /// Its last scrape failed, or its good ones are too old to count: what runs on it may
+    /// never be known (absent from an older agent's answer).
+    #[serde(default)]
+    pub metrics_lost: bool,
 }
 
 impl DrainStatus {
     /// Nothing runs or waits on the server and no connection of ours is left; for a DOWN
-    /// server, whose metrics may never come (it crashed, its port is blocked), no connection
-    /// of ours left is enough.
+    /// server whose metrics fail (it crashed, its port is blocked), no connection of ours
+    /// left is enough. One whose metrics still come is alive: its scrape says when it is idle.
     pub fn finished(&self) -> bool {
-        self.flows == 0 && (self.idle() || (self.down && self.running.is_none()))
+        self.flows == 0
+            && (self.idle() || (self.down && self.metrics_lost && self.running.is_none()))
     }
 
     /// A scrape since the drain began found nothing running or waiting.
@@ -173,9 +178,15 @@ pub fn call(socket: &Path, request: &Request, wait: Duration) -> Result<Response
     line.push('\n');
     stream.write_all(line.as_bytes())?;
     let mut answer = String::new();
-    BufReader::new(stream)
-        .read_line(&mut answer)
-        .context("reading the agent's answer")?;
+    BufReader::new(stream).read_line(&mut answer).map_err(|e| {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        match e.kind() {
+            WouldBlock | TimedOut => {
+                anyhow::anyhow!("the agent did not answer within {} s", wait.as_secs_f64())
+            }
+            _ => anyhow::anyhow!("reading the agent's answer: {e}"),
+        }
+    })?;
     if answer.is_empty() {
         bail!("the agent closed the connection without answering");
     }
@@ -279,6 +290,24 @@ fn columns<const N: usize>(rows: &[[String; N]]) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn an_agent_that_does_not_answer_in_time_is_said_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        // Accepts, reads the request, and answers nothing.
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let mute = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(&stream).read_line(&mut line).unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let wait = Duration::from_millis(100);
+        let e = call(&socket, &Request::Counters, wait).unwrap_err();
+        assert_eq!(e.to_string(), "the agent did not answer within 0.1 s");
+        mute.join().unwrap();
+    }
+
     /// A drain ends when nothing runs or waits and no connection of ours is left; a DOWN
     /// server's whose metrics have not come since the drain began (and may never come), when
     /// no connection of ours is left.
@@ -292,6 +321,7 @@ mod tests {
                 flows,
                 down,
                 scrape_error: running.is_none().then(|| "cannot connect".into()),
+                metrics_lost: running.is_none(),
             };
         assert!(status(Some(0.0), Some(0.0), 0, false).finished());
         assert!(status(Some(0.0), None, 0, false).finished());
@@ -308,6 +338,14 @@ mod tests {
         );
         // DOWN, but a scrape since the drain began shows work (quiet DSR clients, say).
         assert!(!status(Some(3.0), Some(0.0), 0, true).finished());
+        // DOWN (its checks fail: a wrong model, say) but scraped fine: no scrape since the
+        // drain began is no evidence that nothing runs.
+        let alive = DrainStatus {
+            scrape_error: None,
+            metrics_lost: false,
+            ..status(None, None, 0, true)
+        };
+        assert!(!alive.finished());
         // An older agent's answer has neither field.
         let old: DrainStatus =
             serde_json::from_str(r#"{"draining":true,"running":null,"flows":0}"#).unwrap();

@@ -789,7 +789,12 @@ impl Controller {
                 ),
                 (Err(e), _, _) => format!("failed: {e:#}"),
             };
-            match s.track.record(outcome, fall, rise) {
+            let transition = s.track.record(outcome, fall, rise);
+            if outcome == Outcome::Ok && s.track.down {
+                // `show` prints "is DOWN: <health>": say why a good check leaves it DOWN.
+                s.health = format!("ok, {} of {rise} good checks to come back", s.track.oks());
+            }
+            match transition {
                 Some(Transition::WentDown) => {
                     transitions = true;
                     // The program places anew a SYN that finds an entry naming a DOWN server
@@ -898,6 +903,7 @@ impl Controller {
                 flows: 0,
                 down: s.track.down,
                 scrape_error: s.scrape_error.clone(),
+                metrics_lost: s.scrape_error.is_some() || !fresh,
             },
         })
     }

@@ -36,6 +36,11 @@ pub struct Track {
 }
 
 impl Track {
+    /// Good checks in a row.
+    pub fn oks(&self) -> u32 {
+        self.oks
+    }
+
     pub fn record(&mut self, outcome: Outcome, fall: u32, rise: u32) -> Option<Transition> {
         match outcome {
             Outcome::Ok => {

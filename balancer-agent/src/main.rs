@@ -378,8 +378,8 @@ fn hint_range(
 }
 
 /// Polls until the server reports nothing running or waiting (in a scrape taken after the
-/// drain began) and no connection of ours is left on it, or, DOWN, has no connection of
-/// ours left.
+/// drain began) and no connection of ours is left on it, or, DOWN with its metrics failing,
+/// has no connection of ours left.
 fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
     let request = Request::DrainStatus { pool, server };
@@ -404,7 +404,7 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
             if status.idle() {
                 println!("drained: nothing running, no connection left");
             } else {
-                println!("drained: no connection left (the server is DOWN and no scrape since the drain began is fresh)");
+                println!("drained: no connection left (the server is DOWN and its metrics fail)");
             }
             return Ok(());
         }

@@ -572,10 +572,11 @@ pub async fn receive_loop(
     let mut replays = Replays::new(sender.id);
     // Peers whose datagrams are refused since their last good one.
     let mut refusing = std::collections::HashSet::new();
-    // Per peer: the run it last greeted us from, and our dump of flows to it. A peer that
-    // restarts again gets a new dump and the old one stops, so a peer in a crash loop costs
-    // one walk of the table at a time, not one per start.
-    let mut dumps: HashMap<IpAddr, (u64, tokio::task::JoinHandle<()>)> = HashMap::new();
+    // Per peer (its configured address: two peers may share a host): the run it last greeted
+    // us from, and our dump of flows to it. A peer that restarts again gets a new dump and
+    // the old one stops, so a peer in a crash loop costs one walk of the table at a time,
+    // not one per start.
+    let mut dumps: HashMap<SocketAddr, (u64, tokio::task::JoinHandle<()>)> = HashMap::new();
     loop {
         let (len, from) = match sender.socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -608,14 +609,12 @@ pub async fn receive_loop(
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
                 // Once per agent run that asks (it asks a few times), to the address the
                 // configuration gives: the source port is not authenticated.
-                let greeted = dumps
-                    .get(&peer)
-                    .is_some_and(|(run, _)| *run == batch.sender);
+                let to = configured(&sender.peers, from);
+                let greeted = dumps.get(&to).is_some_and(|(run, _)| *run == batch.sender);
                 if batch.hello && !greeted {
-                    let to = configured(&sender.peers, from);
                     info!(peer = %to, "a peer started: sending it our flows");
                     let task = tokio::spawn(dump(sender.clone(), to, flows_id));
-                    if let Some((_, earlier)) = dumps.insert(peer, (batch.sender, task)) {
+                    if let Some((_, earlier)) = dumps.insert(to, (batch.sender, task)) {
                         earlier.abort();
                     }
                 }

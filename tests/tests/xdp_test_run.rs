@@ -696,6 +696,91 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
     })
 }
 
+/// `drain --wait` of a server that is DOWN but scraped fine (its checks fail for another
+/// reason: a wrong model, an API key) waits for a scrape since the drain began, as for an UP
+/// one: requests may still run on it. Only failing metrics end it on the connections alone.
+/// And `show` says why a good check leaves it DOWN.
+#[test]
+fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
+    use balancer_agent::control::{DrainStatus, Response};
+    use balancer_agent::dialect::{Dialect, Reading};
+    in_topology(|| {
+        let n = &v4();
+        let mut config = config(std::slice::from_ref(n));
+        config.agent.fall = 1;
+        config.agent.rise = 2;
+        let (h, _) = Harness::load(&config)?;
+        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        let server = n.backend.to_string();
+        let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
+        let scrape = |c: &mut balancer_agent::controller::Controller, running: Option<f64>| {
+            let results = c
+                .scrape_targets()
+                .into_iter()
+                .map(|t| {
+                    let result = match running {
+                        Some(running) => Ok(Reading {
+                            dialect: Dialect::Plain,
+                            running,
+                            waiting: 0.0,
+                            kv_usage: None,
+                            ttft: None,
+                            progress: None,
+                            ignored: None,
+                        }),
+                        None => Err(balancer_agent::scrape::ScrapeError::Connect {
+                            addr: t.metrics,
+                            reason: "refused".into(),
+                        }),
+                    };
+                    (t, result)
+                })
+                .collect();
+            c.scraped(results);
+        };
+        let status = |c: &balancer_agent::controller::Controller| -> Result<DrainStatus> {
+            match c.drain_status("a0", &server)?.answer() {
+                Response::DrainStatus(s) => Ok(s),
+                other => anyhow::bail!("{other:?}"),
+            }
+        };
+        scrape(&mut controller, Some(3.0));
+        controller.checked(vec![(key.clone(), None, Err(anyhow::anyhow!("HTTP 404")))]);
+        controller.drain("a0", &server, true)?;
+        let s = status(&controller)?;
+        ensure!(
+            s.down && !s.metrics_lost && s.flows == 0 && !s.finished(),
+            "DOWN, scraped before the drain only: {s:?}"
+        );
+        scrape(&mut controller, Some(0.0));
+        let s = status(&controller)?;
+        ensure!(
+            s.finished() && s.idle(),
+            "scraped idle since the drain: {s:?}"
+        );
+
+        // Drained again, its metrics failing since: no connection left is enough.
+        controller.drain("a0", &server, false)?;
+        scrape(&mut controller, Some(2.0));
+        controller.drain("a0", &server, true)?;
+        ensure!(!status(&controller)?.finished());
+        scrape(&mut controller, None);
+        let s = status(&controller)?;
+        ensure!(s.metrics_lost && s.finished(), "metrics failing: {s:?}");
+
+        controller.checked(vec![(key, None, Ok(()))]);
+        let view = controller.show("a0")?;
+        let row = &view.servers[0];
+        ensure!(
+            row.state == "DOWN" && row.health == "ok, 1 of 2 good checks to come back",
+            "one good check of two: {} {:?}",
+            row.state,
+            row.health
+        );
+        Ok(())
+    })
+}
+
 /// A client port reused for a second VIP of the same backend while the first connection's
 /// closed entry lingers: the backend's replies are the live flow's, from the second VIP, and
 /// once both are closed, the one heard from last's. And the end of a connection whose entry
