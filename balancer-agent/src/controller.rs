@@ -89,7 +89,15 @@ impl Server {
             self.ttft_ms = Some(ms);
             self.ttft_at = Some(at);
         }
-        self.last_ttft = ttft.cloned();
+        // A label set this scrape left out (a NaN, say) keeps its last totals: when it comes
+        // back, what it observed since is counted, not all it ever observed.
+        self.last_ttft = match (self.last_ttft.take(), ttft) {
+            (Some(mut last), Some(cur)) => {
+                last.0.extend(cur.0.iter().map(|(k, v)| (k.clone(), *v)));
+                Some(last)
+            }
+            (last, cur) => cur.cloned().or(last),
+        };
     }
 
     /// A server new to the agent: UP, with its configured weight until the policy decides.
@@ -1429,6 +1437,35 @@ mod tests {
         scrape(&mut s, &totals(42.5, 121.0), 64);
         assert_eq!(s.ttft_ms.map(f64::round), Some(500.0));
         assert_eq!(s.ttft_at, Some(t0 + Duration::from_secs(64)));
+    }
+
+    /// One engine's TTFT left out of a scrape (its sum was NaN) and back in the next: what it
+    /// observed in between counts, not its whole life.
+    #[test]
+    fn a_label_set_left_out_once_is_compared_with_its_last_totals() {
+        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
+            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n";
+        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
+        let t0 = Instant::now();
+        let mut s = Server::new(1, &config.pool[0], &config.pool[0].server[0], t0);
+        let engines = |sets: &[(&str, f64, f64)]| {
+            TtftSeries(
+                sets.iter()
+                    .map(|&(e, sum_s, count)| (e.to_string(), TtftTotals { sum_s, count }))
+                    .collect(),
+            )
+        };
+        let life = Duration::from_secs(6);
+        for (secs, series) in [
+            (0, engines(&[("0", 500.0, 10000.0), ("1", 10.0, 100.0)])),
+            (2, engines(&[("1", 10.0, 100.0)])),
+            (4, engines(&[("0", 500.0, 10000.0), ("1", 13.6, 104.0)])),
+        ] {
+            let at = t0 + Duration::from_secs(secs);
+            s.observe_ttft(Some(&series), at, life);
+            s.reading_at = Some(at);
+        }
+        assert_eq!(s.ttft_ms.map(f64::round), Some(900.0));
     }
 
     /// A server whose metrics never came in gets the share the policy gave it (half the

@@ -914,6 +914,8 @@ fn sum(d: Dialect, name: &str, values: Vec<f64>) -> Result<f64, DialectError> {
         check(d, name, v)?;
         total += v;
     }
+    // Finite values can add up to infinity (two label sets of 1e308).
+    check(d, name, total)?;
     Ok(total)
 }
 
@@ -1562,6 +1564,13 @@ process_cpu_seconds_total 12.5
         assert_eq!(
             err(&plain("-1")).to_string(),
             "plain: inference_requests_running = -1: negative"
+        );
+        let overflowing = "inference_requests_running{a=\"1\"} 1e308\n\
+                           inference_requests_running{a=\"2\"} 1e308\n\
+                           inference_requests_waiting 0\n";
+        assert_eq!(
+            err(overflowing).to_string(),
+            "plain: inference_requests_running = inf: infinite"
         );
         assert_eq!(
             err(&plain("NaN")).to_string(),

@@ -117,13 +117,28 @@ impl Scraper {
     ) -> Result<Reading, ScrapeError> {
         let deadline = Instant::now() + self.timeout;
         let path = forced.map_or("/metrics", Dialect::metrics_path);
+        let mut fell_back = false;
         let body = match self.get(addr, path, key, deadline).await {
             Err(ScrapeError::Status { status: 404, .. }) if path != "/metrics" => {
+                fell_back = true;
                 self.get(addr, "/metrics", key, deadline).await
             }
             other => other,
         }?;
-        parse(addr, body, forced)
+        match parse(addr, body, forced) {
+            // The JSON error's advice (set the dialect) is what the operator did already.
+            Err(ScrapeError::Dialect {
+                error: DialectError::Json,
+                ..
+            }) if fell_back => Err(ScrapeError::Http {
+                addr,
+                reason: format!(
+                    "HTTP 404 from {path}, and /metrics is JSON: this trtllm-serve \
+                     publishes no Prometheus metrics"
+                ),
+            }),
+            other => other,
+        }
     }
 
     /// Like [`Scraper::scrape`], from exactly this path (starting with '/').
@@ -527,6 +542,19 @@ llamacpp:requests_deferred 1
             .await
             .unwrap();
         assert_eq!((r.dialect, r.running), (Dialect::Trtllm, 2.0));
+        // A trtllm-serve without Prometheus metrics: /metrics is its JSON, and the error
+        // does not tell the operator to force the dialect they forced.
+        let (json, _) = serve(Behaviour::Body("[{\"iter\": 1}]")).await;
+        let e = bounded(s.scrape(json, Some(Dialect::Trtllm), None))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "scrape {json}: HTTP 404 from /prometheus/metrics, and /metrics is JSON: \
+                 this trtllm-serve publishes no Prometheus metrics"
+            )
+        );
         // Any other failure of the first path is the answer.
         let (failing, _) = serve(Behaviour::Status(500)).await;
         let e = bounded(s.scrape(failing, Some(Dialect::Trtllm), None))
