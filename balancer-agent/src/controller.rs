@@ -865,6 +865,10 @@ impl Controller {
             "{} {}",
             key.1,
             match (on, down) {
+                (true, _) if self.write_failed => {
+                    "is draining, but writing the maps failed (the agent's log says why): they \
+                     send it new connections until a retry at a later update succeeds"
+                }
                 (true, _) => "is draining: no new connections, established ones finish",
                 (false, false) => "takes new connections again",
                 (false, true) =>
