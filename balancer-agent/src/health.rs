@@ -59,8 +59,11 @@ impl Track {
                     return Some(Transition::WentDown);
                 }
             }
-            // Neither streak moves: a busy server's check proves nothing.
-            Outcome::Busy => {}
+            // A busy server is alive (its fresh metrics show work), so failures on either
+            // side of it are not consecutive: an overloaded one whose `/metrics` times out
+            // now and then would otherwise go DOWN on failures an hour apart. It proves
+            // nothing about the model answering, so no good streak grows.
+            Outcome::Busy => self.fails = 0,
         }
         None
     }
@@ -318,10 +321,16 @@ mod tests {
             assert_eq!(t.record(Outcome::Busy, 3, 2), None);
         }
         assert!(!t.down);
-        // Nor does it break a streak of failures that is under way.
+        // It breaks a streak of failures: they are not consecutive.
         t.record(Outcome::Failed, 3, 2);
         t.record(Outcome::Failed, 3, 2);
         t.record(Outcome::Busy, 3, 2);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
         assert_eq!(t.record(Outcome::Failed, 3, 2), Some(Transition::WentDown));
+        // Down, a busy check is no good one, and no failed one either.
+        t.record(Outcome::Ok, 3, 2);
+        t.record(Outcome::Busy, 3, 2);
+        assert_eq!(t.record(Outcome::Ok, 3, 2), Some(Transition::CameUp));
     }
 }
