@@ -1411,16 +1411,21 @@ mod tests {
         }
     }
 
+    /// The server of a pool of one, new at `t0`.
+    fn one_server(t0: Instant) -> Server {
+        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
+            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n";
+        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
+        Server::new(1, &config.pool[0], &config.pool[0].server[0], t0)
+    }
+
     /// A scrape's TTFT is the mean over the requests since the last good scrape, and only
     /// when that one is recent: after a gap of failed scrapes the next good one starts the
     /// series again rather than averaging the gap.
     #[test]
     fn ttft_is_not_averaged_over_a_gap_in_scrapes() {
-        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
-            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n";
-        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
         let t0 = Instant::now();
-        let mut s = Server::new(1, &config.pool[0], &config.pool[0].server[0], t0);
+        let mut s = one_server(t0);
         let totals = |sum_s: f64, count: f64| {
             TtftSeries([("".to_string(), TtftTotals { sum_s, count })].into())
         };
@@ -1447,11 +1452,8 @@ mod tests {
     /// observed in between counts, not its whole life.
     #[test]
     fn a_label_set_left_out_once_is_compared_with_its_last_totals() {
-        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"p\"\nvip = \"192.0.2.60\"\nport = 8000\n\
-            [[pool.server]]\naddress = \"10.4.0.11\"\nport = 8000\nmetrics_port = 8001\n";
-        let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
         let t0 = Instant::now();
-        let mut s = Server::new(1, &config.pool[0], &config.pool[0].server[0], t0);
+        let mut s = one_server(t0);
         let engines = |sets: &[(&str, f64, f64)]| {
             TtftSeries(
                 sets.iter()

@@ -647,6 +647,17 @@ fn a_reload_asks_for_the_model_the_file_now_names() -> Result<()> {
     })
 }
 
+/// What `drain --wait` is told of `server` in pool a0, once the flow table was walked.
+fn drain_status(
+    c: &balancer_agent::controller::Controller,
+    server: &str,
+) -> Result<balancer_agent::control::DrainStatus> {
+    match c.drain_status("a0", server)?.answer() {
+        balancer_agent::control::Response::DrainStatus(s) => Ok(s),
+        other => anyhow::bail!("{other:?}"),
+    }
+}
+
 /// `drain --wait` of a DOWN server: a connection whose client has been quiet for DSR_QUIET
 /// is over (a dead host answers no FIN, and a client's FIN only half-closes), while the
 /// server was UP it still counted.
@@ -677,12 +688,7 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
         let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
         let server = n.backend.to_string();
         controller.drain("a0", &server, true)?;
-        let open = |c: &balancer_agent::controller::Controller| -> Result<u64> {
-            match c.drain_status("a0", &server)?.answer() {
-                balancer_agent::control::Response::DrainStatus(s) => Ok(s.flows),
-                other => anyhow::bail!("{other:?}"),
-            }
-        };
+        let open = |c: &_| drain_status(c, &server).map(|s| s.flows);
         let up = open(&controller)?;
         let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
         controller.checked(vec![(key, None, Err(anyhow::anyhow!("refused")))]);
@@ -702,7 +708,6 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
 /// And `show` says why a good check leaves it DOWN.
 #[test]
 fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
-    use balancer_agent::control::{DrainStatus, Response};
     use balancer_agent::dialect::{Dialect, Reading};
     in_topology(|| {
         let n = &v4();
@@ -738,12 +743,7 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
                 .collect();
             c.scraped(results);
         };
-        let status = |c: &balancer_agent::controller::Controller| -> Result<DrainStatus> {
-            match c.drain_status("a0", &server)?.answer() {
-                Response::DrainStatus(s) => Ok(s),
-                other => anyhow::bail!("{other:?}"),
-            }
-        };
+        let status = |c: &_| drain_status(c, &server);
         scrape(&mut controller, Some(3.0));
         controller.checked(vec![(key.clone(), None, Err(anyhow::anyhow!("HTTP 404")))]);
         controller.drain("a0", &server, true)?;
