@@ -141,8 +141,9 @@ impl DrainStatus {
     /// server whose metrics fail (it crashed, its port is blocked), no connection of ours
     /// left is enough. One whose metrics still come is alive: its scrape says when it is idle.
     pub fn finished(&self) -> bool {
-        self.flows == 0
-            && (self.idle() || (self.down && self.metrics_lost && self.running.is_none()))
+        // An older agent sends no `metrics_lost`, but its scrape error says as much.
+        let lost = self.metrics_lost || self.scrape_error.is_some();
+        self.flows == 0 && (self.idle() || (self.down && lost && self.running.is_none()))
     }
 
     /// A scrape since the drain began found nothing running or waiting.
@@ -182,7 +183,10 @@ pub fn call(socket: &Path, request: &Request, wait: Duration) -> Result<Response
         use std::io::ErrorKind::{TimedOut, WouldBlock};
         match e.kind() {
             WouldBlock | TimedOut => {
-                anyhow::anyhow!("the agent did not answer within {} s", wait.as_secs_f64())
+                anyhow::anyhow!(
+                    "the agent did not answer within {:.1} s",
+                    wait.as_secs_f64()
+                )
             }
             _ => anyhow::anyhow!("reading the agent's answer: {e}"),
         }
@@ -194,8 +198,9 @@ pub fn call(socket: &Path, request: &Request, wait: Duration) -> Result<Response
 }
 
 /// The pool as a table whose first columns are the operator's:
-/// `server running waiting kv-mem ttft-ms state`, then weight, flows, new/s; below it, why
-/// each server that is DOWN failed its last check.
+/// `server running waiting kv-mem ttft-ms state`, then weight, flows, new/s; below it, each
+/// server that is DOWN with its last check (why it failed, or how many good ones it still
+/// needs).
 pub fn render(view: &PoolView) -> String {
     let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     let mut rows = vec![[
@@ -346,6 +351,12 @@ mod tests {
             ..status(None, None, 0, true)
         };
         assert!(!alive.finished());
+        // An older agent's answer has no `metrics_lost`: its scrape error is enough.
+        let older: DrainStatus = serde_json::from_str(
+            r#"{"draining":true,"running":null,"flows":0,"down":true,"scrape_error":"refused"}"#,
+        )
+        .unwrap();
+        assert!(older.finished());
         // An older agent's answer has neither field.
         let old: DrainStatus =
             serde_json::from_str(r#"{"draining":true,"running":null,"flows":0}"#).unwrap();

@@ -870,6 +870,10 @@ impl Controller {
                      send it new connections until a retry at a later update succeeds"
                 }
                 (true, _) => "is draining: no new connections, established ones finish",
+                (false, _) if self.write_failed => {
+                    "is no longer draining, but writing the maps failed (the agent's log says \
+                     why): it takes new connections once a retry at a later update succeeds"
+                }
                 (false, false) => "takes new connections again",
                 (false, true) =>
                     "is no longer draining, and is DOWN: it takes new connections \

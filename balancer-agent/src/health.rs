@@ -15,7 +15,8 @@ use crate::{config::Config, scrape::body_at_most};
 pub enum Outcome {
     Ok,
     Failed,
-    /// Failed while the server reported a queue: no evidence either way.
+    /// Failed while the server reported a queue: alive, but no evidence that the model
+    /// answers.
     Busy,
 }
 

@@ -520,8 +520,9 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
          thousand the client received (`InSegs`), and packets the topology's links dropped on \
          transmit (`tx_dropped`: a veth drops what it sends when its peer's ring of 256 \
          frames is full; its peer has such a ring when an XDP program is attached to it, as \
-         ours is to the gateway's two links, and otherwise takes packets into the CPU's \
-         backlog of 1000).\n\n",
+         ours is to the gateway's two links and `xdp-pass` to the client's and the switch's \
+         links facing the gateway, for every system, and otherwise takes packets into the \
+         CPU's backlog of 1000).\n\n",
         plan.concurrency,
         plan.rate_phase.as_secs_f64(),
         plan.offered,

@@ -268,8 +268,8 @@ fn header(
          hashing the keys, a tenth in the timer, and a fifth in the program itself.\n\
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
-         the systems differ; ours had the lowest in 11 of the first 18 runs. Where it trailed, \
-         the tail was not the gateway's work: in five rounds of ours and nftables alone the \
+         the systems differ; ours had the lowest in 12 of the first 19 runs. In a run that looked \
+         into it (2026-12-02 05:20), the tail was not the gateway's work: in five rounds of ours and nftables alone the \
          two were level (medians 2.46 and 2.34 ms), no CPU's softirq ran out of budget \
          (`time_squeeze` in `/proc/net/softnet_stat` unchanged), nothing was dropped, \
          ksoftirqd ran for a tick or two, and stopping the agent changed nothing. The p50 is \
@@ -278,26 +278,28 @@ fn header(
          (ours, nftables), a stream is one TCP connection from a backend to the client, and a \
          packet lost anywhere on the way makes the backend retransmit and back off; HAProxy \
          relays between two TCP connections, each recovering on its own shorter loop, and \
-         loses and retransmits a small fraction as much. The packets are lost where a veth \
-         sends into a peer with an XDP program, which takes them into a ring of 256 frames \
-         rather than the CPU's backlog of 1000: the gateway's two links (ours) and the \
-         client's link (an `xdp-pass` program, so that ours can redirect to it). The \
+         loses and retransmits a small fraction as much. A run that counted drops link by \
+         link found them where a veth sends into a peer with an XDP program, which takes \
+         packets into a ring of 256 frames rather than the CPU's backlog of 1000: the \
+         gateway's two links (ours), and for every system the client's and the switch's \
+         links facing the gateway (an `xdp-pass` program, so that ours can redirect to \
+         them). The \
          client's and backends' TCP stacks share the two CPUs with the gateway, so the line \
          measures them as much as the gateway: a profile of one bulk phase found both CPUs \
          about 20% idle with ours and with nftables (not with HAProxy), and the XDP program at \
-         1.6% of the samples. HAProxy had the highest bulk figure in 16 of the first 18 runs, \
+         1.6% of the samples. HAProxy had the highest bulk figure in 17 of the first 19 runs, \
          nftables in the other two. With direct server return (the context column: its \
-         answers go around the gateway) the same streams run two to three times as fast.\n\
+         answers go around the gateway) the same streams run about three times as fast.\n\
          - TTFT p99 at 2x: the routing workload's bursts exceed the pool's batch capacity and \
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 \
          requests is the sixth slowest, and one policy's p99 moves by more than a second \
-         between runs: hints had the lowest in 6 of the first 18 runs with the tight cache \
-         and 3 with the roomy one.\n\
+         between runs: hints had the lowest in 6 of the 18 runs of this workload with the \
+         tight cache and 3 with the roomy one.\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
-         runs: hints had the highest in 13 of the first 18 runs with the tight cache and 9 \
+         runs: hints had the highest in 13 of those 18 runs with the tight cache and 9 \
          with the roomy one.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
