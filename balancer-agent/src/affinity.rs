@@ -54,8 +54,8 @@ fn score(bucket: u16, m: &Member) -> f64 {
 }
 
 /// New connections a server may take before a new request would have to wait for
-/// `spill_waiting` others: its free slots, less what is already waiting and what arrived
-/// since the scrape. Negative when more than that already wait: by how many, so that the
+/// `spill_waiting` others, as the scrape saw it: its free slots, less what is already
+/// waiting (the program counts from there: less what opened since, plus what closed). Negative when more than that already wait: by how many, so that the
 /// program can still tell the least loaded of servers that are all past the threshold. At
 /// most zero when the server is held (saturated on its queue, TTFT or KV, or not UP, in the
 /// last two scrape intervals): it then counts as full, no better than a server with no free
@@ -63,15 +63,8 @@ fn score(bucket: u16, m: &Member) -> f64 {
 /// whose KV memory holds back admissions shows it in its own waiting count. The agent writes
 /// such a budget held (`LOAD_F_HELD`), so that connections closing on the server before the
 /// next budget do not give it room.
-pub fn budget(
-    saturated: bool,
-    slots: u32,
-    running: f64,
-    waiting: f64,
-    fresh: u64,
-    spill_waiting: u32,
-) -> i32 {
-    let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting - fresh as f64;
+pub fn budget(saturated: bool, slots: u32, running: f64, waiting: f64, spill_waiting: u32) -> i32 {
+    let room = f64::from(slots) + f64::from(spill_waiting) - 1.0 - running - waiting;
     // BUDGET_UNKNOWN is i32::MIN: a real budget never reaches it.
     let room = room
         .floor()
@@ -541,28 +534,23 @@ pub(crate) mod tests {
 
     #[test]
     fn budget_is_free_slots_before_a_request_would_wait() {
-        assert_eq!(budget(false, 8, 5.0, 0.0, 0, 1), 3);
-        assert_eq!(budget(false, 8, 5.0, 0.0, 2, 1), 1);
-        assert_eq!(budget(false, 8, 8.0, 0.0, 0, 1), 0);
+        assert_eq!(budget(false, 8, 5.0, 0.0, 1), 3);
+        assert_eq!(budget(false, 8, 8.0, 0.0, 1), 0);
         assert_eq!(
-            budget(false, 8, 8.0, 0.0, 0, 3),
+            budget(false, 8, 8.0, 0.0, 3),
             2,
             "spill_waiting 3 allows two queued"
         );
         assert_eq!(
-            budget(false, 8, 8.0, 5.0, 0, 3),
+            budget(false, 8, 8.0, 5.0, 3),
             -3,
             "past the threshold by three"
         );
-        assert_eq!(budget(false, 8, 6.5, 0.0, 0, 1), 1, "a half is not a slot");
-        assert_eq!(
-            budget(true, 8, 0.0, 0.0, 0, 1),
-            0,
-            "saturated by TTFT or KV"
-        );
-        assert_eq!(budget(true, 8, 8.0, 4.0, 1, 1), -5, "saturated and queued");
-        assert_eq!(budget(false, 8, 1e12, 0.0, 0, 1), i32::MIN + 1);
-        assert!(budget(true, 8, 1e12, f64::NAN, 0, 1) > balancer_common::BUDGET_UNKNOWN);
+        assert_eq!(budget(false, 8, 6.5, 0.0, 1), 1, "a half is not a slot");
+        assert_eq!(budget(true, 8, 0.0, 0.0, 1), 0, "saturated by TTFT or KV");
+        assert_eq!(budget(true, 8, 8.0, 4.0, 1), -4, "saturated and queued");
+        assert_eq!(budget(false, 8, 1e12, 0.0, 1), i32::MIN + 1);
+        assert!(budget(true, 8, 1e12, f64::NAN, 1) > balancer_common::BUDGET_UNKNOWN);
     }
 
     fn stats(hinted: u64, spilled: u64, picks: [u64; 4]) -> BucketStats {

@@ -19,7 +19,7 @@ use crate::{
     affinity::{self, Load, Member, PoolAffinity},
     config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
-    dataplane::{Dataplane, FlowCensus},
+    dataplane::{Dataplane, FlowCensus, LoadCounts},
     dialect::{recent_ttft_ms, Dialect, DialectError, Reading, TtftSeries},
     health::{ApiKey, Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
@@ -57,6 +57,8 @@ struct Server {
     last_ttft: Option<TtftSeries>,
     /// Counters when the last good scrape was sent, and now.
     at_scrape: BackendStats,
+    /// The program's spill counts when the last good scrape was sent: its budget's base.
+    counts_at_scrape: Option<LoadCounts>,
     now: BackendStats,
     now_at: Instant,
     new_per_s: f64,
@@ -115,6 +117,7 @@ impl Server {
             ttft_at: None,
             last_ttft: None,
             at_scrape: BackendStats::default(),
+            counts_at_scrape: None,
             now: BackendStats::default(),
             now_at: now,
             new_per_s: 0.0,
@@ -172,6 +175,7 @@ pub struct ScrapeTarget {
     pub dialect: Option<Dialect>,
     pub sent_at: Instant,
     pub stats: BackendStats,
+    pub counts: Option<LoadCounts>,
     /// The pool's `api_key_file`, read: llama-server wants it on `/metrics` too.
     pub api_key: Option<ApiKey>,
 }
@@ -439,6 +443,7 @@ impl Controller {
                 dialect: s.dialect,
                 sent_at: now,
                 stats: self.dp.backend_stats(s.id).unwrap_or(s.now),
+                counts: self.dp.load_counts(s.id).ok(),
                 api_key: self.api_keys.get(&key.0).cloned(),
             });
         }
@@ -470,6 +475,7 @@ impl Controller {
                     s.reading = Some(reading);
                     s.reading_at = Some(target.sent_at);
                     s.at_scrape = target.stats;
+                    s.counts_at_scrape = target.counts;
                     s.scrape_error = None;
                 }
                 Err(e) => {
@@ -621,15 +627,23 @@ impl Controller {
                 let waiting = s.reading.as_ref().map_or(0.0, |r| r.waiting);
                 let slots = pool.slots.unwrap_or(s.max_running.max(1.0) as u32);
                 let fresh = s.fresh_flows();
-                let budget = if !held && s.stale(now, stale_after) {
+                let stale = s.stale(now, stale_after);
+                let budget = if !held && stale {
                     None
                 } else {
                     let b = pool.spill_waiting;
-                    Some(affinity::budget(held, slots, running, waiting, fresh, b))
+                    Some(affinity::budget(held, slots, running, waiting, b))
                 };
-                let written = self
-                    .dp
-                    .set_load(s.id, budget.unwrap_or(BUDGET_UNKNOWN), held);
+                // The program counts the connections opened and closed since the scrape the
+                // budget comes from; without one, since now.
+                let since = match s.counts_at_scrape.filter(|_| !stale) {
+                    Some(c) => Ok(c),
+                    None => self.dp.load_counts(s.id),
+                };
+                let written = since.and_then(|c| {
+                    let b = budget.unwrap_or(BUDGET_UNKNOWN);
+                    self.dp.set_load(s.id, b, held, c)
+                });
                 if let Err(e) = written {
                     warn!("writing a spill budget failed: {e:#}");
                 }

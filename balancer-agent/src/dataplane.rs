@@ -132,6 +132,14 @@ impl Allowances {
     }
 }
 
+/// The program's shared counts of one backend's connections (`OPENS`, `CLOSES`) at one
+/// moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadCounts {
+    pub opened: u64,
+    pub closed: u64,
+}
+
 /// The ids an earlier agent wrote into maps it pinned.
 pub struct Inherited {
     /// Each VIP and what its entry held.
@@ -185,6 +193,8 @@ pub struct Dataplane {
     pins: Option<Pins>,
     /// The maps came from an earlier agent's pins.
     inherited: bool,
+    /// What `EGRESS` held when the maps were opened: a start that fails puts it back.
+    egress_at_load: HashSet<u32>,
 }
 
 /// The program's link on an interface, and the index the interface had then: an interface
@@ -253,6 +263,7 @@ impl Dataplane {
         let flows = BpfHashMap::try_from(flows)?;
         let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
         let egress = DevMapHash::try_from(take(&mut ebpf, "EGRESS")?)?;
+        let egress_at_load = egress.keys().filter_map(Result::ok).collect();
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
         let opens = MappedSlots::new(take(&mut ebpf, "OPENS")?, "OPENS", MAX_BACKENDS)?;
@@ -291,6 +302,7 @@ impl Dataplane {
             taken_over: HashSet::new(),
             pins,
             inherited,
+            egress_at_load,
         };
         if inherited {
             // The next plan flips each VIP to the table the program is not reading.
@@ -572,10 +584,16 @@ impl Dataplane {
             .filter(|n| !interfaces.contains(n))
             .cloned()
             .collect();
-        for name in stale {
-            self.detach_one(&name)?;
+        // Each on its own: one that cannot be left does not keep the others attached.
+        let failed: Vec<String> = (stale.iter())
+            .filter_map(|name| self.detach_one(name).err())
+            .map(|e| format!("{e:#}"))
+            .collect();
+        self.set_egress(interfaces)?;
+        if !failed.is_empty() {
+            bail!("{}", failed.join("; "));
         }
-        self.set_egress(interfaces)
+        Ok(())
     }
 
     /// Makes `interfaces` the only ones the program sends frames out of, other than the one
@@ -612,17 +630,18 @@ impl Dataplane {
 
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
         let pin = self.pins.as_ref().map(|p| p.link(name));
-        let mut link = match self.xdp_mode {
+        let attached = match self.xdp_mode {
             config::XdpMode::Native => self
                 .program()
                 .attach(name, XdpMode::Driver)
-                .with_context(|| format!("attaching to {name} in native mode (agent.xdp_mode)"))?,
-            config::XdpMode::Generic => self.attach_generic(name, None)?,
+                .with_context(|| format!("attaching to {name} in native mode (agent.xdp_mode)")),
+            config::XdpMode::Generic => self.attach_generic(name, None),
             config::XdpMode::Auto => match self.program().attach(name, XdpMode::Driver) {
-                Ok(link) => link,
-                Err(native) => self.attach_generic(name, Some(native))?,
+                Ok(link) => Ok(link),
+                Err(native) => self.attach_generic(name, Some(native)),
             },
         };
+        let mut link = attached.map_err(|e| held_elsewhere(name, e))?;
         let prog = self.program();
         if let Some(pin) = pin {
             // Pinning needs the link's fd out of the program's keeping; it goes back in
@@ -642,9 +661,7 @@ impl Dataplane {
     /// tried. (The kernel does no GRO where a generic program runs: it sees the frames as
     /// they came.)
     fn attach_generic(&mut self, name: &str, native: Option<ProgramError>) -> Result<XdpLinkId> {
-        let why = native
-            .as_ref()
-            .map(|e| format!(" (native mode failed: {e})"));
+        let why = native.map(|e| format!(" (native mode failed: {:#})", anyhow::Error::from(e)));
         let link = self.program().attach(name, XdpMode::Skb).with_context(|| {
             format!(
                 "attaching to {name} in generic mode{}",
@@ -700,8 +717,14 @@ impl Dataplane {
         }
     }
 
+    /// Whether the maps are an earlier agent's, in use by the links it pinned.
+    pub fn took_over_maps(&self) -> bool {
+        self.inherited
+    }
+
     /// After a start that failed: the links this agent made leave again; those it took
-    /// over stay, with their connections and the program now in them.
+    /// over stay, with their connections and the program now in them, and `EGRESS` holds
+    /// what it held before.
     pub fn abandon(&mut self) {
         let made: Vec<String> = self
             .links
@@ -712,6 +735,14 @@ impl Dataplane {
         for name in made {
             if let Err(e) = self.detach_one(&name) {
                 warn!(interface = %name, "{e:#}");
+            }
+        }
+        let added: Vec<u32> = (self.egress.keys().filter_map(Result::ok))
+            .filter(|i| !self.egress_at_load.contains(i))
+            .collect();
+        for index in added {
+            if let Err(e) = self.egress.remove(index) {
+                warn!(index, "removing interface {index} from EGRESS: {e:#}");
             }
         }
     }
@@ -819,25 +850,41 @@ impl Dataplane {
 
     /// Lets backend `id` take `budget` more new connections before it counts as past its
     /// spill threshold, counted from now.
-    ///
-    /// Three stores, not one atomic update: a SYN on another CPU in between sees an old
-    /// budget with a new base or the reverse, a room off by the few connections of the last
-    /// fold interval, once.
     pub fn set_budget(&mut self, id: u32, budget: i32) -> Result<()> {
-        self.set_load(id, budget, false)
+        let since = self.load_counts(id)?;
+        self.set_load(id, budget, false, since)
     }
 
-    /// [`Dataplane::set_budget`], and with `held` the connections that close on the backend
-    /// until the next call give it no room back (`LOAD_F_HELD`).
-    pub fn set_load(&mut self, id: u32, budget: i32, held: bool) -> Result<()> {
+    /// The program's shared counts of the connections it opened and closed to backend `id`
+    /// (`OPENS`, `CLOSES`), from which it counts a budget's room down and up.
+    pub fn load_counts(&self, id: u32) -> Result<LoadCounts> {
         let i = id as usize;
         let (opens, closes) = (self.opens.shared(), self.closes.shared());
         let (Some(opened), Some(closed)) = (opens.get(i), closes.get(i)) else {
             bail!("backend id {id} out of range");
         };
+        Ok(LoadCounts {
+            opened: opened.load(Ordering::Relaxed),
+            closed: closed.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Lets backend `id` take `budget` more new connections, less those opened since the
+    /// counts were `since`, plus those closed since unless `held` (`LOAD_F_HELD`): a budget
+    /// from a scrape is given the counts of when its request was sent, so the program counts
+    /// everything after it once, connections opened and closed alike.
+    ///
+    /// Three stores, not one atomic update: a SYN on another CPU in between sees an old
+    /// budget with new counts or the reverse, a room off by the connections of one scrape
+    /// interval, once.
+    pub fn set_load(&mut self, id: u32, budget: i32, held: bool, since: LoadCounts) -> Result<()> {
+        let i = id as usize;
+        if i >= MAX_BACKENDS as usize {
+            bail!("backend id {id} out of range");
+        }
         let load = &self.load.shared()[i * LOAD_SLOTS as usize..][..LOAD_SLOTS as usize];
-        load[0].store(opened.load(Ordering::Relaxed), Ordering::Relaxed);
-        load[1].store(closed.load(Ordering::Relaxed), Ordering::Relaxed);
+        load[0].store(since.opened, Ordering::Relaxed);
+        load[1].store(since.closed, Ordering::Relaxed);
         // `budget` and `flags` share the third slot, budget in the low half (little-endian).
         let flags = if held { LOAD_F_HELD } else { 0 };
         load[2].store(
@@ -998,6 +1045,24 @@ impl Dataplane {
 }
 
 /// The kernel's answer for a link whose interface is gone (`ENOLINK`).
+/// `e`, from attaching to interface `name`, saying what to do when the kernel refused
+/// because the interface has an XDP program already (EEXIST, EBUSY): most likely a link an
+/// earlier agent pinned, which an agent with another `pin_dir`, or none, does not know of.
+fn held_elsewhere(name: &str, e: anyhow::Error) -> anyhow::Error {
+    let held = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::EEXIST | libc::EBUSY)))
+    });
+    if !held {
+        return e;
+    }
+    e.context(format!(
+        "{name} has an XDP program already: another tool's, or one an earlier agent left \
+         pinned (if agent.pin_dir changed or was removed since, `balancer-agent detach \
+         --config` with the file that pinned it takes it off)"
+    ))
+}
+
 fn defunct(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<std::io::Error>()

@@ -274,8 +274,13 @@ fn unpin_all(sub: &Path) -> Result<usize> {
     Ok(names.len())
 }
 
+/// Removes the pin at `path`; one already gone (a link unpinned before an attach that
+/// failed, say) is no error.
 fn unpin(path: &Path) -> Result<()> {
-    std::fs::remove_file(path).with_context(|| format!("unpinning {}", path.display()))
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        done => done.with_context(|| format!("unpinning {}", path.display())),
+    }
 }
 
 /// `dir` must be a directory of its own inside a bpffs, never a mount's root: `detach`
@@ -354,4 +359,23 @@ fn on_bpffs(dir: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pin already gone counts as unpinned (a reload after a failed relink unpins it
+    /// again); anything else that fails is an error.
+    #[test]
+    fn unpinning_what_is_gone_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let pin = dir.path().join("link_g0");
+        std::fs::write(&pin, b"").unwrap();
+        unpin(&pin).unwrap();
+        assert!(!pin.exists());
+        unpin(&pin).unwrap();
+        let e = unpin(dir.path()).unwrap_err();
+        assert!(format!("{e:#}").contains("unpinning"), "{e:#}");
+    }
 }

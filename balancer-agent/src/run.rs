@@ -83,20 +83,27 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut dp = Dataplane::load(entries, pins)?;
     dp.set_xdp_mode(config.agent.xdp_mode);
     let interfaces = config.agent.interfaces.clone();
-    // Maps first: a program attached to empty maps would pass VIP traffic to the stack.
+    let attach = |dp: &mut Dataplane| {
+        let attached = (dp.attach(&interfaces)).and_then(|()| dp.detach_unlisted_pins(&interfaces));
+        if attached.is_err() {
+            dp.abandon();
+        }
+        attached
+    };
+    // Maps an earlier agent pinned are what its program forwards with: the interfaces first,
+    // so that a start refused by one (held by another program, no native XDP) leaves them
+    // as they were. New maps first: a program attached to empty maps would pass VIP traffic
+    // to the stack.
+    let took_over = dp.took_over_maps();
+    if took_over {
+        attach(&mut dp)?;
+    }
     let mut controller = Controller::new(config.clone(), dp)?;
+    if !took_over {
+        attach(controller.dataplane())?;
+    }
     controller.set_api_keys(api_keys);
     let ctl = Arc::new(Mutex::new(controller));
-    let attached = {
-        let mut c = lock(&ctl);
-        let dp = c.dataplane();
-        dp.attach(&interfaces)
-            .and_then(|()| dp.detach_unlisted_pins(&interfaces))
-    };
-    if let Err(e) = attached {
-        lock(&ctl).dataplane().abandon();
-        return Err(e);
-    }
     info!(
         pools = config.pool.len(),
         interfaces = ?interfaces,
@@ -224,19 +231,30 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
     Ok(pools)
 }
 
+/// What a reload that changes `agent.KEY` is told, while the agent pins (`pinned`) or not.
+fn restart_only(key: &str, pinned: bool) -> String {
+    match key {
+        // The next agent would meet the pinned flow table, or the pinned links, and refuse.
+        "flow_table_entries" | "pin_dir" if pinned => format!(
+            "agent.{key} changes only when the agent restarts, after `balancer-agent detach \
+             --config` with the running file (which ends the open connections): the pinned \
+             maps and links stay as they are"
+        ),
+        _ => format!("agent.{key} changes only when the agent restarts"),
+    }
+}
+
 /// Puts back in `new` what only a restart changes, as `running` has it, with a warning: the
 /// running configuration then says what is in effect, and the next reload warns again.
 /// Refuses pools too short-lived for the `[sync]` that stays on, which the file, without
 /// the section, was not checked against.
 fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
     let (next, now) = (&mut new.agent, &running.agent);
+    let pinned = now.pin_dir.is_some();
     macro_rules! keep {
         ($key:ident) => {
             if next.$key != now.$key {
-                warn!(
-                    "agent.{} changes only when the agent restarts",
-                    stringify!($key)
-                );
+                warn!("{}", restart_only(stringify!($key), pinned));
                 next.$key = now.$key.clone();
             }
         };
@@ -569,6 +587,17 @@ mod tests {
         let mut new = config("", true, 600);
         keep_restart_only(&mut new, &config("", false, 600)).unwrap();
         assert_eq!(new.sync, None);
+    }
+
+    /// With pins, a restart alone would be refused (the pinned flow table keeps its size;
+    /// the pinned links hold the interfaces): the warning says what comes first.
+    #[test]
+    fn restart_only_warnings_say_when_detach_comes_first() {
+        for key in ["flow_table_entries", "pin_dir"] {
+            assert!(restart_only(key, true).contains("balancer-agent detach"));
+            assert!(!restart_only(key, false).contains("detach"));
+        }
+        assert!(!restart_only("xdp_mode", true).contains("detach"));
     }
 
     /// A file without `[sync]` may have idle timeouts too short for the sharing that stays on.

@@ -127,8 +127,8 @@ pub struct Bucket {
 }
 
 /// How many more new connections a backend may take before it counts as past its spill
-/// threshold: the agent writes `budget` together with the values of `OPENS[id]` and
-/// `CLOSES[id]` at that moment, and the program compares the connections opened and not
+/// threshold: the agent writes `budget`, from a scrape, together with the values
+/// `OPENS[id]` and `CLOSES[id]` had when that scrape's request was sent, and the program compares the connections opened and not
 /// closed since with the budget. Negative: past the threshold by that many requests
 /// (queued beyond it), so that among servers that are all past it the least loaded still
 /// shows.

@@ -8,8 +8,9 @@
 //!    over: the DOWN server is still DOWN, the drained one still DRAINING, and each stream's
 //!    server still counts the stream (its id was recovered); it is stopped (SIGTERM),
 //!    which leaves everything attached;
-//! 3. an agent whose configuration does not fit the pinned flow table, or names an
-//!    interface that does not exist, refuses to start with a clear error, changing nothing;
+//! 3. an agent whose configuration does not fit the pinned flow table, names an interface
+//!    that does not exist, or one another XDP program holds, refuses to start with a clear
+//!    error, changing nothing;
 //! 4. a third agent takes over again, from pins that lack the ring of shared flows (as an
 //!    older build's would); its counters go on from the first agent's, and a second agent
 //!    on the same pins is refused.
@@ -26,10 +27,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use aya::maps::{DevMapHash, Map, MapData};
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::netns::PinDir;
-use balancer_tests::process::run as run_cli;
+use balancer_tests::process::{run as run_cli, Process};
 use balancer_tests::sim::client::{self, read_on, Stream};
 use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
 use balancer_tests::{check_nothing_remains, serial};
@@ -40,8 +42,8 @@ const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
 
 const POOL: &str = "chat-v4";
 const STREAMS: usize = 4;
-/// About 18 s at the simulator's 65 tokens/s: long enough for every step above.
-const TOKENS: u64 = 1200;
+/// About 23 s at the simulator's 65 tokens/s: long enough for every step above.
+const TOKENS: u64 = 1500;
 /// How long the gateway runs without an agent, after the crash and after the stop.
 const UNATTENDED: Duration = Duration::from_millis(1500);
 /// New connections through the VIP at each step: with two servers out, one that wrongly
@@ -101,6 +103,51 @@ fn state(agent: &Agent, i: usize) -> Result<String> {
         .server(Family::V4.backend(i))?
         .state
         .clone())
+}
+
+/// Starts an agent with `config`, its first pool moved to another port, and `gx`, which
+/// another XDP program holds, as well: its refusal, once it is checked that the pinned
+/// `EGRESS` did not take gx in.
+fn taken_interface_refused(
+    topology: &Topology,
+    binary: &Path,
+    config: &AgentConfig,
+    pins: &Path,
+) -> Result<String> {
+    let gw = topology.gw();
+    gw.ip(&["link", "add", "gx", "type", "veth", "peer", "name", "gy"])?;
+    let refused = (|| {
+        gw.ip(&["link", "set", "gx", "up"])?;
+        gw.ip(&["link", "set", "gy", "up"])?;
+        let mut holder = gw.command(XDP_PASS);
+        holder.arg("gx");
+        let log = topology.dir().join("gx-xdp-pass.log");
+        let mut holder = Process::spawn("xdp-pass on gx", holder, &log)?;
+        holder.wait_for_line(0, Duration::from_secs(10), |line| line.trim() == "attached")?;
+        let mut taking = config.clone();
+        taking.agent.interfaces.push("gx".into());
+        taking.pools[0].port += 1;
+        let refused = Agent::start_refused(topology, binary, &taking);
+        holder.stop(Duration::from_secs(5))?;
+        let refused = refused?;
+        let link = gw.ip(&["-o", "link", "show", "dev", "gx"])?;
+        let index: u32 = link
+            .split(':')
+            .next()
+            .and_then(|i| i.trim().parse().ok())
+            .with_context(|| format!("gx's index in {link:?}"))?;
+        let egress = pins.join(format!("maps-v{}/EGRESS", balancer_common::PIN_LAYOUT));
+        let data = MapData::from_pin(&egress).context("opening the pinned EGRESS")?;
+        let egress = DevMapHash::try_from(Map::DevMapHash(data))?;
+        let indexes: Vec<u32> = egress.keys().collect::<Result<_, _>>()?;
+        ensure!(
+            !indexes.contains(&index),
+            "a refused start left gx ({index}) in EGRESS: {indexes:?}"
+        );
+        Ok(refused)
+    })();
+    gw.ip(&["link", "del", "gx"])?;
+    refused
 }
 
 fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
@@ -234,6 +281,15 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     ensure!(
         refused.contains("no interface named \"g9\""),
         "an unknown interface: {refused}"
+    );
+    // Nor one naming an interface another XDP program holds: the interfaces come before
+    // any write to the maps an earlier agent pinned, so neither its pool's new port nor the
+    // interface (`EGRESS`) reaches them.
+    let refused = taken_interface_refused(topology, binary, &config, pins)?;
+    println!("refused: {refused}");
+    ensure!(
+        refused.contains("gx"),
+        "an interface another program holds: {refused}"
     );
     // `check` finds it first, and passes the file that names none.
     let (passed, said) = Agent::check(topology, binary, &mistyped)?;

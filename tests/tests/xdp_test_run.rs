@@ -6,9 +6,10 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, ensure, Context, Result};
-use aya::programs::{TestRun, TestRunOptions, Xdp};
+use aya::programs::{TestRun, TestRunOptions};
 use balancer_agent::{
     config::Config,
+    controller::Controller,
     dataplane::Dataplane,
     plan::{Ids, Plan, VipPlan, Weights},
     sync::{Event, Kind},
@@ -249,6 +250,25 @@ impl Frame {
     }
 }
 
+/// Runs `frame` through `dp`'s program as if it came in on `ingress`: the verdict and the
+/// frame after.
+fn run_on(dp: &mut Dataplane, ingress: u32, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+    // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
+    // egress_ifindex.
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ingress.to_ne_bytes());
+    let mut out = vec![0u8; frame.len() + 256];
+    let r = dp.program().test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        ctx_in: Some(&ctx),
+        ..Default::default()
+    })?;
+    out.truncate(r.data_size_out as usize);
+    Ok((r.return_value, out))
+}
+
 struct Harness {
     dp: Dataplane,
     g0: u32,
@@ -285,25 +305,8 @@ impl Harness {
         Ok(plan)
     }
 
-    fn prog(&mut self) -> &mut Xdp {
-        self.dp.program()
-    }
-
     fn run(&mut self, ingress: u32, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
-        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
-        // egress_ifindex.
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&ingress.to_ne_bytes());
-        let mut out = vec![0u8; frame.len() + 256];
-        let r = self.prog().test_run(TestRunOptions {
-            data_in: Some(frame),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx),
-            ..Default::default()
-        })?;
-        out.truncate(r.data_size_out as usize);
-        Ok((r.return_value, out))
+        run_on(&mut self.dp, ingress, frame)
     }
 
     fn counter(&self, c: Counter) -> u64 {
@@ -588,7 +591,7 @@ fn an_agent_starting_over_counts_reports_no_burst() -> Result<()> {
             let (verdict, _) = h.run(h.g0, &client_syn(n, n.vip, 40000 + sport).bytes())?;
             ensure!(verdict == XDP_REDIRECT, "SYN {sport}: verdict {verdict}");
         }
-        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        let mut controller = Controller::new(config, h.dp)?;
         std::thread::sleep(std::time::Duration::from_millis(20));
         controller.fold();
         let row = &controller.show("a0")?.servers[0];
@@ -617,8 +620,8 @@ fn a_reload_asks_for_the_model_the_file_now_names() -> Result<()> {
             c
         };
         let (h, _) = Harness::load(&named(Some("old")))?;
-        let mut controller = balancer_agent::controller::Controller::new(named(Some("old")), h.dp)?;
-        let asked = |c: &balancer_agent::controller::Controller| {
+        let mut controller = Controller::new(named(Some("old")), h.dp)?;
+        let asked = |c: &Controller| {
             let targets = c.health_targets();
             let t = targets
                 .iter()
@@ -648,10 +651,7 @@ fn a_reload_asks_for_the_model_the_file_now_names() -> Result<()> {
 }
 
 /// What `drain --wait` is told of `server` in pool a0, once the flow table was walked.
-fn drain_status(
-    c: &balancer_agent::controller::Controller,
-    server: &str,
-) -> Result<balancer_agent::control::DrainStatus> {
+fn drain_status(c: &Controller, server: &str) -> Result<balancer_agent::control::DrainStatus> {
     match c.drain_status("a0", server)?.answer() {
         balancer_agent::control::Response::DrainStatus(s) => Ok(s),
         other => anyhow::bail!("{other:?}"),
@@ -685,7 +685,7 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
         edit_flow(&mut h, &flow_key(n, n.vip, 40900), |e| {
             e.last_seen_ns -= quiet
         })?;
-        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        let mut controller = Controller::new(config, h.dp)?;
         let server = n.backend.to_string();
         controller.drain("a0", &server, true)?;
         let open = |c: &_| drain_status(c, &server).map(|s| s.flows);
@@ -715,10 +715,10 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
         config.agent.fall = 1;
         config.agent.rise = 2;
         let (h, _) = Harness::load(&config)?;
-        let mut controller = balancer_agent::controller::Controller::new(config, h.dp)?;
+        let mut controller = Controller::new(config, h.dp)?;
         let server = n.backend.to_string();
         let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
-        let scrape = |c: &mut balancer_agent::controller::Controller, running: Option<f64>| {
+        let scrape = |c: &mut Controller, running: Option<f64>| {
             let results = c
                 .scrape_targets()
                 .into_iter()
@@ -776,6 +776,105 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
             "one good check of two: {} {:?}",
             row.state,
             row.health
+        );
+        Ok(())
+    })
+}
+
+/// `scraped`'s result for every target: each server running what `running` says of it
+/// (0 when it says nothing), nothing waiting.
+fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> f64) {
+    use balancer_agent::dialect::{Dialect, Reading};
+    let results = c
+        .scrape_targets()
+        .into_iter()
+        .map(|t| {
+            let reading = Reading {
+                dialect: Dialect::Plain,
+                running: running(t.key.1),
+                waiting: 0.0,
+                kv_usage: None,
+                ttft: None,
+                progress: None,
+                ignored: None,
+            };
+            (t, Ok(reading))
+        })
+        .collect();
+    c.scraped(results);
+}
+
+/// A stream that ends between two scrapes frees its slot for the next hinted SYN at once,
+/// and the agent's folds of the program's counts before the next scrape take none of that
+/// room back: the program counts opens and closes from the scrape the budget comes from.
+#[test]
+fn a_closed_stream_frees_its_slot_until_the_next_scrape() -> Result<()> {
+    in_topology(|| {
+        let n = &v4();
+        let mut config = config(std::slice::from_ref(n));
+        let multi = config.pool.iter_mut().find(|p| p.name == "multi0").unwrap();
+        multi.slots = Some(2);
+        let (h, plan) = Harness::load(&config)?;
+        let (g0, vip_id) = (h.g0, multi_vip(&plan, n).vip_id);
+        let mut controller = Controller::new(config, h.dp)?;
+        scrape_running(&mut controller, &|_| 0.0);
+        let bucket = 17u16;
+        let home = controller.dataplane().bucket(vip_id, bucket)?.ids[0];
+        let home_addr = *n
+            .multi
+            .iter()
+            .find(|&&a| id_in(&plan, a) == home)
+            .context("bucket 17 has a home in the pool")?;
+        let mut ports = balancer_common::hint::HintRange::DEFAULT.ports(bucket);
+        // A hinted SYN's port, its counter (`hint_*`) and the server it went to.
+        let mut syn = |c: &mut Controller| -> Result<(u16, Counter, IpAddr)> {
+            let sport = ports.next().context("bucket ports")?;
+            let pkt = client_syn(n, n.vip_multi, sport);
+            let before = c.dataplane().counters()?;
+            let (_, out) = run_on(c.dataplane(), g0, &pkt.bytes())?;
+            let after = c.dataplane().counters()?;
+            let ((counter, _), _) = (before.iter().zip(&after))
+                .find(|((k, b), (_, a))| k.name().starts_with("hint_") && a > b)
+                .context("no hint counter moved")?;
+            let dst = <[u8; 4]>::try_from(&out[30..34])?;
+            Ok((sport, *counter, IpAddr::from(dst)))
+        };
+        // Slots 2, nothing running: two SYNs at home, which then runs them.
+        let mut streams = Vec::new();
+        for i in 0..2 {
+            let (sport, c, to) = syn(&mut controller)?;
+            ensure!(
+                (c, to) == (Counter::HintHome, home_addr),
+                "SYN {i} with room: {c:?} to {to}"
+            );
+            streams.push(sport);
+        }
+        scrape_running(&mut controller, &|a| {
+            if a.ip() == home_addr {
+                2.0
+            } else {
+                0.0
+            }
+        });
+        // Both end (a client's RST), then the agent folds the program's counts in.
+        for sport in streams {
+            let rst = client_syn(n, n.vip_multi, sport).with(|f| f.flags = "AR");
+            run_on(controller.dataplane(), g0, &rst.bytes())?;
+        }
+        controller.fold();
+        ensure!(controller.dataplane().bucket(vip_id, bucket)?.ids[0] == home);
+        for i in 0..2 {
+            let (_, c, to) = syn(&mut controller)?;
+            ensure!(
+                (c, to) == (Counter::HintHome, home_addr),
+                "SYN {i} after two streams ended and a fold: {c:?} to {to} (the home's room \
+                 was taken back)"
+            );
+        }
+        let (_, c, to) = syn(&mut controller)?;
+        ensure!(
+            c != Counter::HintHome && to != home_addr,
+            "a third SYN on two freed slots: {c:?} to {to}"
         );
         Ok(())
     })
@@ -1986,7 +2085,8 @@ fn hinted_syns_go_home_then_spill(
         Counter::HintHome,
         "home again: the RST gave room",
     )?;
-    h.dp.set_load(id(a), 0, true)?;
+    let since = h.dp.load_counts(id(a))?;
+    h.dp.set_load(id(a), 0, true, since)?;
     to(
         h,
         far[1],
