@@ -1,4 +1,5 @@
 use std::{
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::ExitCode,
     time::{Duration, Instant},
@@ -220,22 +221,7 @@ fn execute(command: Command) -> Result<()> {
                     }
                 );
             }
-            for p in &c.pool {
-                println!(
-                    "pool {} {}:{} ({} servers{})",
-                    p.name,
-                    p.vip,
-                    p.port,
-                    p.server.len(),
-                    match p.forwarding {
-                        Forwarding::Nat => "",
-                        Forwarding::Dsr => ", direct server return",
-                    }
-                );
-                for s in &p.server {
-                    println!("  {}:{} weight {}", s.address, s.port, s.weight);
-                }
-            }
+            print!("{}", pools(&c));
             Ok(())
         }
         Command::Show { what, json, socket } => {
@@ -429,9 +415,55 @@ fn wait_drained(socket: &Path, pool: String, server: String, limit: Duration) ->
     }
 }
 
+/// `check`'s list of the pools and their servers, addresses spelled as `show` spells them.
+fn pools(c: &Config) -> String {
+    let mut out = String::new();
+    for p in &c.pool {
+        let dsr = match p.forwarding {
+            Forwarding::Nat => "",
+            Forwarding::Dsr => ", direct server return",
+        };
+        let vip = SocketAddr::new(p.vip, p.port);
+        out += &format!("pool {} {vip} ({} servers{dsr})\n", p.name, p.server.len());
+        for s in &p.server {
+            let addr = SocketAddr::new(s.address, s.port);
+            out += &format!("  {addr} weight {}\n", s.weight);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An IPv6 address is bracketed before its port, or `2001:db8::60:8000` reads as an
+    /// address without one.
+    #[test]
+    fn check_lists_ipv6_addresses_with_brackets() {
+        let c = Config::parse(
+            Path::new("v6.toml"),
+            r#"
+[agent]
+interfaces = ["eth0"]
+
+[[pool]]
+name = "v6"
+vip = "2001:db8::60"
+port = 8000
+
+[[pool.server]]
+address = "fd00:4::11"
+port = 8000
+metrics_port = 8000
+"#,
+        )
+        .unwrap();
+        assert_eq!(
+            pools(&c),
+            "pool v6 [2001:db8::60]:8000 (1 servers)\n  [fd00:4::11]:8000 weight 100\n"
+        );
+    }
 
     /// A wait too long for the clock is refused as an argument, not a panic mid-wait.
     #[test]
