@@ -61,9 +61,13 @@ fn the_demo_shows_spills_a_drain_and_a_stream_and_leaves_nothing_behind() {
     check_nothing_remains().unwrap();
 }
 
-/// Waits for the demo up to [`LIMIT`], then interrupts it as Ctrl-C would, then kills it.
+/// How long the demo has to clean up after a Ctrl-C before it is killed.
+const CLEANUP: Duration = Duration::from_secs(20);
+
+/// Waits for the demo up to [`LIMIT`], then interrupts it as Ctrl-C would, then, if it has
+/// not cleaned up and ended within [`CLEANUP`], kills it.
 fn wait_bounded(child: &mut std::process::Child) -> ExitStatus {
-    let deadline = Instant::now() + LIMIT;
+    let mut deadline = Instant::now() + LIMIT;
     let mut interrupted = false;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -78,6 +82,7 @@ fn wait_bounded(child: &mut std::process::Child) -> ExitStatus {
             // SAFETY: kill has no memory effects; the child is not reaped yet.
             unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
             interrupted = true;
+            deadline = Instant::now() + CLEANUP;
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -19,8 +19,13 @@ const LLVM_DIR: &str = "/var/cache/balancer/llvm-nightly";
 /// rustc that emits the bitcode it links.
 const LIBLLVM_PREFIX: &str = "libLLVM.so.22.1-rust-";
 const BPF_LINKER_VERSION: &str = "0.13.0";
-/// haproxy is not used by tests yet; it is the baseline for the benchmarks.
+/// haproxy is not used by tests yet; it is the baseline for the benchmarks. build-essential
+/// (a C and C++ compiler: llama.cpp), python3-venv and python3-pip (llama.cpp's source and
+/// its build tools come from PyPI) are on most machines already.
 const DEBIAN_PACKAGES: &[&str] = &[
+    "build-essential",
+    "python3-venv",
+    "python3-pip",
     "iproute2",
     "ethtool",
     "curl",
