@@ -151,13 +151,14 @@ pub struct Pool {
     /// A connection idle for longer than this loses its backend.
     #[serde(default = "default_idle_timeout_s")]
     pub idle_timeout_s: u32,
-    /// A server with this many requests waiting takes no new connection.
+    /// A server with this many requests waiting is saturated: weight 0, and new connections
+    /// only where every other choice is fuller (`docs/policy.md`).
     #[serde(default = "default_spill_waiting")]
     pub spill_waiting: u32,
-    /// A server whose recent time to first token reaches this takes no new connection.
+    /// A server whose recent time to first token reaches this is saturated.
     #[serde(default = "default_spill_ttft_ms")]
     pub spill_ttft_ms: u32,
-    /// A server whose KV-cache memory use reaches this fraction takes no new connection.
+    /// A server whose KV-cache memory use reaches this fraction is saturated.
     #[serde(default = "default_kv_high")]
     pub kv_high: f64,
     /// Metric dialect of every server of the pool; detected from the names when absent.
