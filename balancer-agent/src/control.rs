@@ -92,6 +92,16 @@ pub struct ServerRow {
     /// (absent from an older agent's answer).
     #[serde(default)]
     pub stale: bool,
+    /// Past a threshold (queue, TTFT, KV) on fresh metrics; absent from an older agent's
+    /// answer, as are the two counts below.
+    #[serde(default)]
+    pub saturated: bool,
+    /// Connections the program opened to the server since its maps were made, and those
+    /// of them that closed.
+    #[serde(default)]
+    pub flows_opened: u64,
+    #[serde(default)]
+    pub flows_closed: u64,
 }
 
 /// A pool's hint buckets that carried connections lately, most popular first.
@@ -380,6 +390,9 @@ mod tests {
             scrape_error: None,
             health: String::new(),
             stale: false,
+            saturated: false,
+            flows_opened: 10,
+            flows_closed: 3,
         }
     }
 

@@ -213,6 +213,8 @@ pub struct Controller {
     /// Flow-table entries the sweeps deleted (`sweep.rs`): of connections that ended, and of
     /// handshakes never completed.
     reclaimed: [u64; 2],
+    /// Entries in the flow table at the last sweep's walk.
+    flow_entries: Option<u64>,
 }
 
 impl Controller {
@@ -260,11 +262,12 @@ impl Controller {
             census,
             api_keys: HashMap::new(),
             reclaimed: [0; 2],
+            flow_entries: None,
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
         };
-        c.adopt(config, &plan);
+        c.adopt(config, &plan, &HashSet::new());
         let states =
             (draining.into_iter().map(|k| (k, false))).chain(down.into_iter().map(|k| (k, true)));
         for (key, is_down) in states {
@@ -333,7 +336,11 @@ impl Controller {
     /// A configuration whose maps cannot be written is not taken: the running one's ids are
     /// kept and its plan is written again over whatever part of the new one got in.
     pub fn reconfigure(&mut self, config: Config) -> Result<()> {
-        let weights = self.current_weights(&config);
+        let joining = self.joining(&config);
+        let mut weights = self.current_weights(&config);
+        for key in &joining {
+            weights.down(key.clone());
+        }
         let running = self.ids.clone();
         let plan = self.ids.plan(&config, &weights, Instant::now())?;
         if let Err(e) = self.dp.apply(&plan) {
@@ -341,13 +348,28 @@ impl Controller {
             self.refresh(true);
             return Err(e);
         }
-        self.adopt(config, &plan);
+        self.adopt(config, &plan, &joining);
         // New configured weights reach the maps now, not at the next fold.
         self.refresh(true);
         Ok(())
     }
 
-    fn adopt(&mut self, config: Config, plan: &crate::plan::Plan) {
+    /// The servers `config` adds to pools that run now: they wait for a good check
+    /// ([`Track::unproven`]). A pool new to the agent, as every pool at its start, routes
+    /// at once: it has no traffic yet to lose, and no other server to send it to.
+    fn joining(&self, config: &Config) -> HashSet<ServerKey> {
+        let running: HashSet<&str> = self.config.pool.iter().map(|p| p.name.as_str()).collect();
+        (config.pool.iter())
+            .filter(|p| running.contains(p.name.as_str()))
+            .flat_map(|p| {
+                let addrs = p.server.iter().map(|s| SocketAddr::new(s.address, s.port));
+                addrs.map(|a| (p.name.clone(), a))
+            })
+            .filter(|key| !self.servers.contains_key(key))
+            .collect()
+    }
+
+    fn adopt(&mut self, config: Config, plan: &crate::plan::Plan, joining: &HashSet<ServerKey>) {
         let now = Instant::now();
         let mut servers = HashMap::new();
         self.applied.clear();
@@ -371,6 +393,12 @@ impl Controller {
                     }
                     None => {
                         let mut new = Server::new(*id, pool, s, now);
+                        if joining.contains(&key) {
+                            new.track = Track::unproven();
+                            new.decision.weight = 0;
+                            new.decision.reason = "down".into();
+                            new.health = "new: waiting for its first good check".into();
+                        }
                         // Counts from before (pinned maps an earlier agent kept, or an id
                         // that served another server) are where its rates start, not
                         // connections it just opened.
@@ -811,6 +839,7 @@ impl Controller {
                 ),
                 (Err(e), _, _) => format!("failed: {e:#}"),
             };
+            let unproven = s.track.is_unproven();
             let transition = s.track.record(outcome, fall, rise);
             if outcome == Outcome::Ok && s.track.down {
                 // `show` prints "is DOWN: <health>": say why a good check leaves it DOWN.
@@ -823,6 +852,10 @@ impl Controller {
                     // (a retransmission it never answered, or a reused port), once `refresh`
                     // below has written the flag.
                     warn!(pool = %key.0, server = %key.1, "DOWN after {fall} failed checks: {}", s.health);
+                }
+                Some(Transition::CameUp) if unproven => {
+                    transitions = true;
+                    info!(pool = %key.0, server = %key.1, "UP: new, and its first check passed");
                 }
                 Some(Transition::CameUp) => {
                     transitions = true;
@@ -979,6 +1012,9 @@ impl Controller {
                         .map(|t| now.duration_since(t).as_millis() as u64),
                     scrape_error: s.scrape_error.clone(),
                     health: s.health.clone(),
+                    saturated: s.decision.saturated,
+                    flows_opened: s.now.flows_opened,
+                    flows_closed: s.now.flows_closed,
                 }
             })
             .collect();
@@ -1044,6 +1080,7 @@ impl Controller {
         }
         self.reclaimed[0] += swept.ended;
         self.reclaimed[1] += swept.unanswered_total();
+        self.flow_entries = Some(swept.entries);
     }
 
     /// The sweeps' counts, by name.
@@ -1109,6 +1146,9 @@ impl Controller {
             counters: self.counters().unwrap_or_default(),
             reclaimed: self.reclaimed_counters(),
             sync: self.sync_counters(),
+            flow_table: self
+                .flow_entries
+                .map(|n| (n, self.config.agent.flow_table_entries)),
             pools: self
                 .config
                 .pool
@@ -1271,12 +1311,15 @@ fn table_weights(config: &Config, servers: &HashMap<ServerKey, Server>) -> Weigh
             let key = (pool.name.clone(), SocketAddr::new(s.address, s.port));
             if let Some(server) = servers.get(&key) {
                 w.insert(key.clone(), server.decision.weight);
-                // Last: a drained or DOWN server has no slot whatever its last decision.
+                // Last: a drained or DOWN server has no slot whatever its last decision, but
+                // for a DOWN one the policy opened a pool of DOWN servers to.
                 if server.draining {
                     w.drain(key.clone());
                 }
-                if server.track.down {
+                if server.track.down && (server.draining || server.decision.weight == 0) {
                     w.down(key);
+                } else if server.track.down {
+                    w.down_open(key);
                 }
             }
         }

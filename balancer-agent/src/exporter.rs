@@ -32,6 +32,8 @@ pub struct Snapshot {
     pub reclaimed: Vec<(String, u64)>,
     /// Flows shared with other gateways (`sync.rs`), by name; empty without `[sync]`.
     pub sync: Vec<(String, u64)>,
+    /// Entries in the flow table at the last sweep, and its size; none before the first.
+    pub flow_table: Option<(u64, u32)>,
     pub pools: Vec<PoolView>,
 }
 
@@ -124,6 +126,32 @@ fn gauges(
     Ok(())
 }
 
+/// One gauge without labels.
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstGauge::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+/// One counter family: a value per label set.
+fn counters(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl Iterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+    for (labels, value) in values {
+        ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
 /// A counter family with one sample per named event.
 fn events(
     encoder: &mut DescriptorEncoder,
@@ -131,13 +159,16 @@ fn events(
     help: &str,
     values: &[(String, u64)],
 ) -> Result<(), std::fmt::Error> {
-    let mut family =
-        encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
-    for (event, value) in values {
+    let labelled = values.iter().map(|(event, value)| {
         let labels: Labels = vec![("event", event.clone())];
-        ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
-    }
-    Ok(())
+        (labels, *value)
+    });
+    counters(encoder, name, help, labelled)
+}
+
+/// A 0 or 1 gauge value.
+fn flag(on: bool) -> Option<f64> {
+    Some(f64::from(u8::from(on)))
 }
 
 impl Collector for Snapshot {
@@ -168,6 +199,22 @@ impl Collector for Snapshot {
                 &self.sync,
             )?;
         }
+        if let Some((entries, size)) = self.flow_table {
+            gauge(
+                &mut encoder,
+                "flow_table_entries",
+                "Entries in the flow table at the agent's last sweep (every 5 s or so): open \
+                 connections, and for 10 s those that ended. Near the size, the LRU evicts the \
+                 quietest open connections.",
+                entries as f64,
+            )?;
+            gauge(
+                &mut encoder,
+                "flow_table_size",
+                "Entries the flow table holds at most (agent.flow_table_entries).",
+                f64::from(size),
+            )?;
+        }
         let servers = || {
             self.pools.iter().flat_map(|p| {
                 p.servers.iter().map(move |s| {
@@ -181,18 +228,47 @@ impl Collector for Snapshot {
         gauges(
             enc,
             "server_state",
-            "1 for the server's state: UP, DOWN (health checks failed) or DRAINING.",
-            servers().map(|(mut l, s)| {
-                l.push(("state", s.state.clone()));
-                (l, Some(1.0))
+            "1 for the server's state, 0 for the others: UP, DOWN (health checks failed), \
+             DRAINING.",
+            servers().flat_map(|(l, s)| {
+                ["UP", "DOWN", "DRAINING"].map(|state| {
+                    let mut l = l.clone();
+                    l.push(("state", state.to_owned()));
+                    (l, flag(s.state == state))
+                })
             }),
         )?;
         gauges(
             enc,
             "server_weight",
-            "Maglev weight: 0 for saturated, draining, DOWN or configured-0 servers; the \
-             pool's best server has 10000.",
+            "Maglev weight: 0 for saturated, draining, DOWN or configured-0 servers (a DOWN \
+             one with a weight: fail-open); the pool's best server has 10000.",
             servers().map(|(l, s)| (l, Some(f64::from(s.weight)))),
+        )?;
+        gauges(
+            enc,
+            "server_saturated",
+            "1 while the server is past a threshold (waiting, TTFT, KV use) on fresh metrics.",
+            servers().map(|(l, s)| (l, flag(s.saturated))),
+        )?;
+        gauges(
+            enc,
+            "server_fail_open",
+            "1 while the server takes connections only because every server of its pool is \
+             saturated, or DOWN (fail-open).",
+            servers().map(|(l, s)| (l, flag(s.weight > 0 && s.reason.starts_with("fail-open")))),
+        )?;
+        counters(
+            enc,
+            "server_flows_opened",
+            "Connections the program opened to the server since its maps were made.",
+            servers().map(|(l, s)| (l, s.flows_opened)),
+        )?;
+        counters(
+            enc,
+            "server_flows_closed",
+            "Of those, the connections that closed (or that other gateways saw close).",
+            servers().map(|(l, s)| (l, s.flows_closed)),
         )?;
         gauges(
             enc,
@@ -360,6 +436,9 @@ mod tests {
             scrape_error: None,
             health: "ok".into(),
             stale: false,
+            saturated: false,
+            flows_opened: 10,
+            flows_closed: 3,
         }
     }
 
@@ -369,12 +448,17 @@ mod tests {
             counters: vec![("packets".into(), 12), ("flow_new_syn".into(), 3)],
             reclaimed: vec![("flows_reclaimed_ended".into(), 5)],
             sync: vec![("sync_sent".into(), 7)],
+            flow_table: Some((1200, 262144)),
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
                 vip: "192.0.2.60:8000".into(),
                 forwarding: Default::default(),
                 servers: vec![
-                    row("10.4.0.11:8000", "UP", Some(3.0)),
+                    ServerRow {
+                        saturated: true,
+                        reason: "fail-open: shared by load (waiting 2 >= 1)".into(),
+                        ..row("10.4.0.11:8000", "UP", Some(3.0))
+                    },
                     row("10.4.0.12:8000", "DRAINING", None),
                 ],
             }],
@@ -400,6 +484,8 @@ mod tests {
         assert_eq!(value("balancer_xdp_events_total", None), [12.0, 3.0]);
         assert_eq!(value("balancer_sync_events_total", None), [7.0]);
         assert_eq!(value("balancer_agent_events_total", None), [5.0]);
+        assert_eq!(value("balancer_flow_table_entries", None), [1200.0]);
+        assert_eq!(value("balancer_flow_table_size", None), [262144.0]);
         assert_eq!(
             value("balancer_server_running", Some("10.4.0.11:8000")),
             [3.0]
@@ -412,6 +498,30 @@ mod tests {
             [0.25]
         );
         assert_eq!(value("balancer_server_flows", None), [7.0, 7.0]);
+        assert_eq!(
+            value("balancer_server_flows_opened_total", Some("10.4.0.11:8000")),
+            [10.0]
+        );
+        assert_eq!(
+            value("balancer_server_flows_closed_total", None),
+            [3.0, 3.0]
+        );
+        assert_eq!(value("balancer_server_saturated", None), [1.0, 0.0]);
+        assert_eq!(value("balancer_server_fail_open", None), [1.0, 0.0]);
+        // Every state a sample, so that "no server UP" is a 0, not an empty answer.
+        let states: Vec<(&str, f64)> = parsed
+            .samples
+            .iter()
+            .filter(|s| {
+                s.metric == "balancer_server_state"
+                    && s.labels.get("server") == Some("10.4.0.12:8000")
+            })
+            .map(|s| match s.value {
+                prometheus_parse::Value::Gauge(v) => (s.labels.get("state").unwrap(), v),
+                _ => ("?", f64::NAN),
+            })
+            .collect();
+        assert_eq!(states, [("UP", 0.0), ("DOWN", 0.0), ("DRAINING", 1.0)]);
         let draining = parsed
             .samples
             .iter()

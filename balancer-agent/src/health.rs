@@ -28,15 +28,34 @@ pub enum Transition {
 }
 
 /// Consecutive results: `fall` failures in a row take a server down, `rise` successes in a
-/// row bring it back. A server starts up, so that a fresh agent routes at once.
+/// row bring it back. A server starts up, so that a fresh agent routes at once; one added
+/// to a pool that runs starts [`Track::unproven`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Track {
     pub down: bool,
     fails: u32,
     oks: u32,
+    /// DOWN until its first good check, which is enough.
+    unproven: bool,
 }
 
 impl Track {
+    /// A server added to a running pool: DOWN until a check passes, since it may still be
+    /// loading its model (an inference server can take minutes to), and the pool has others
+    /// to serve meanwhile; one good check is enough, as nothing says it failed before.
+    pub fn unproven() -> Track {
+        Track {
+            down: true,
+            unproven: true,
+            ..Track::default()
+        }
+    }
+
+    /// Whether it has not passed a check since it was added.
+    pub fn is_unproven(&self) -> bool {
+        self.unproven
+    }
+
     /// Good checks in a row.
     pub fn oks(&self) -> u32 {
         self.oks
@@ -47,8 +66,8 @@ impl Track {
             Outcome::Ok => {
                 self.fails = 0;
                 self.oks = self.oks.saturating_add(1);
-                if self.down && self.oks >= rise {
-                    self.down = false;
+                if self.down && (self.unproven || self.oks >= rise) {
+                    (self.down, self.unproven) = (false, false);
                     return Some(Transition::CameUp);
                 }
             }
@@ -313,6 +332,29 @@ mod tests {
         assert_eq!(t.record(Outcome::Ok, 3, 2), None);
         assert_eq!(t.record(Outcome::Ok, 3, 2), Some(Transition::CameUp));
         assert!(!t.down);
+    }
+
+    /// A server added to a running pool comes UP at its first good check, not before, and
+    /// then falls and rises as any other.
+    #[test]
+    fn an_added_server_waits_for_one_good_check() {
+        let mut t = Track::unproven();
+        assert!(t.down && t.is_unproven());
+        assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        assert_eq!(t.record(Outcome::Busy, 3, 2), None);
+        assert!(t.down, "a busy check proves no model answers");
+        assert_eq!(t.record(Outcome::Ok, 3, 2), Some(Transition::CameUp));
+        assert!(!t.down && !t.is_unproven());
+        for _ in 0..2 {
+            assert_eq!(t.record(Outcome::Failed, 3, 2), None);
+        }
+        assert_eq!(t.record(Outcome::Failed, 3, 2), Some(Transition::WentDown));
+        assert_eq!(
+            t.record(Outcome::Ok, 3, 2),
+            None,
+            "back after rise, as any other"
+        );
+        assert_eq!(t.record(Outcome::Ok, 3, 2), Some(Transition::CameUp));
     }
 
     #[test]

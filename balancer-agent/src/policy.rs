@@ -365,6 +365,22 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
         }
     }
 
+    if scores.iter().all(Option::is_none) {
+        // No server may take a connection but DOWN ones whose metrics still come: their
+        // processes answer, and a mistake they share (an API key changed on the servers
+        // first, a `model` they no longer serve) is likelier than all of them broken at
+        // once. Dropping every new connection fails every client; the servers may well
+        // serve them. Shared by load, as above. One whose metrics fail too is most likely
+        // gone, and stays out.
+        for (i, s) in servers.iter().enumerate() {
+            if s.state == State::Down && s.configured > 0 && !s.stale {
+                let unit = 1.0 / (1.0 + pics[i].load());
+                scores[i] = Some(f64::from(s.configured) * unit);
+                out[i].reason = "fail-open: every server DOWN, its metrics answer".into();
+            }
+        }
+    }
+
     for (d, w) in out.iter_mut().zip(scale(&scores)) {
         d.weight = w;
     }
@@ -578,6 +594,7 @@ mod tests {
     #[test]
     fn no_eligible_server_means_all_zero() {
         let t = Thresholds::default();
+        // DOWN with failing metrics too (gone, most likely), and draining.
         let servers: Vec<ServerView> = (0..4)
             .map(|i| {
                 let mut s = idle();
@@ -586,6 +603,7 @@ mod tests {
                 } else {
                     State::Draining
                 };
+                s.stale = true;
                 s
             })
             .collect();
@@ -593,9 +611,47 @@ mod tests {
         let mut all_down = brief();
         for s in &mut all_down {
             s.state = State::Down;
+            s.stale = true;
         }
         let d = decide(&all_down, &t);
         assert!(d.iter().all(|d| d.weight == 0 && d.reason == "down"));
+    }
+
+    /// Every server DOWN while their metrics come (checks failing on a mistake they share):
+    /// those whose metrics answer share the connections by load, rather than every new
+    /// connection dropped; configured 0, draining and DOWN ones with failing metrics stay out,
+    /// and a single server that may take connections ends it.
+    #[test]
+    fn every_server_down_with_metrics_fails_open() {
+        let t = Thresholds::default();
+        let down = |running: f64| {
+            let mut s = up(running, 0.0, Some(0.1), None);
+            s.state = State::Down;
+            s
+        };
+        let mut gone = down(0.0);
+        gone.stale = true;
+        let mut zero = down(0.0);
+        zero.configured = 0;
+        let mut draining = idle();
+        draining.state = State::Draining;
+        let servers = [down(0.0), down(3.0), gone, zero, draining];
+        let d = decide(&servers, &t);
+        assert_eq!(
+            d.iter().map(|d| d.weight).collect::<Vec<_>>(),
+            [MAX_WEIGHT, 2500, 0, 0, 0]
+        );
+        assert_eq!(
+            d[0].reason,
+            "fail-open: every server DOWN, its metrics answer"
+        );
+        assert_eq!(d[2].reason, "down");
+        // One UP server, even saturated, takes them all.
+        let servers = [down(0.0), up(9.0, 7.0, None, None)];
+        assert_eq!(weights(&servers, &t), [0, MAX_WEIGHT]);
+        let mut stale_up = idle();
+        stale_up.stale = true;
+        assert_eq!(weights(&[down(0.0), stale_up], &t), [0, MAX_WEIGHT]);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{TcpListener, UdpSocket, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
-    task::spawn_blocking,
+    task::{spawn_blocking, JoinError, JoinSet},
     time::{sleep, timeout, Instant},
 };
 use tracing::{debug, error, info, warn};
@@ -112,16 +112,15 @@ pub async fn run(config_path: &Path) -> Result<()> {
     );
 
     let flows_id = lock(&ctl).dataplane().flows_id();
-    let mut tasks = vec![
-        tokio::spawn(sweep_loop(ctl.clone(), flows_id)),
-        tokio::spawn(scrape_loop(ctl.clone())),
-        tokio::spawn(fold_loop(ctl.clone())),
-        tokio::spawn(relink_loop(ctl.clone())),
-        tokio::spawn(health_loop(ctl.clone(), routes)),
-        tokio::spawn(serve(listener, ctl.clone())),
-    ];
+    let mut tasks = JoinSet::new();
+    tasks.spawn(sweep_loop(ctl.clone(), flows_id));
+    tasks.spawn(scrape_loop(ctl.clone()));
+    tasks.spawn(fold_loop(ctl.clone()));
+    tasks.spawn(relink_loop(ctl.clone()));
+    tasks.spawn(health_loop(ctl.clone(), routes));
+    tasks.spawn(serve(listener, ctl.clone()));
     if let Some(listener) = metrics {
-        tasks.push(tokio::spawn(export(listener, ctl.clone())));
+        tasks.spawn(export(listener, ctl.clone()));
     }
     let mut sharing_with = None;
     if let Some((socket, keys, peers)) = sharing {
@@ -135,37 +134,49 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let sender = Arc::new(sync::Sender::new(socket, peers.clone(), keys, stats));
         sharing_with = Some(sender.clone());
         if let Some(ring) = ring {
-            tasks.push(tokio::spawn(sync::send_loop(ring, sender.clone())));
+            tasks.spawn(sync::send_loop(ring, sender.clone()));
         }
         let c = ctl.clone();
         let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
-        tasks.push(tokio::spawn(sync::receive_loop(
-            sender.clone(),
-            flows_id,
-            apply,
-        )));
-        tasks.push(tokio::spawn(sync::hello_loop(sender)));
+        tasks.spawn(sync::receive_loop(sender.clone(), flows_id, apply));
+        tasks.spawn(sync::hello_loop(sender));
         info!(peers = ?peers, "sharing flows with the other gateways");
     } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
-        tasks.push(tokio::spawn(sync::discard_loop(ring)));
+        tasks.spawn(sync::discard_loop(ring));
     }
-    loop {
+    let failed = loop {
         tokio::select! {
             _ = hup.recv() => match reload(config_path, &ctl, sharing_with.as_deref()) {
                 Ok(pools) => info!(pools, "config reloaded"),
                 Err(e) => error!("reload failed, keeping the running configuration: {e:#}"),
             },
-            _ = int.recv() => break,
-            _ = term.recv() => break,
+            _ = int.recv() => break None,
+            _ = term.recv() => break None,
+            panic = first_panic(&mut tasks) => break Some(panic),
         }
-    }
-    for t in &tasks {
-        t.abort();
-    }
+    };
+    tasks.abort_all();
     std::fs::remove_file(&socket_path).ok();
     lock(&ctl).dataplane().stop()?;
+    if let Some(panic) = failed {
+        // Ended, not carried on without it: frozen states or weights would go unnoticed,
+        // and a supervisor restarts an agent that exits (with `pin_dir`, breaking nothing).
+        bail!("one of the agent's tasks failed ({panic}); the agent stopped");
+    }
     info!("stopped");
     Ok(())
+}
+
+/// The first task of `tasks` to panic (its message went to the log as it did). Tasks that
+/// end (the first hellos to the peers) are let go; with none left, never.
+async fn first_panic(tasks: &mut JoinSet<()>) -> JoinError {
+    loop {
+        match tasks.join_next().await {
+            Some(Err(e)) if e.is_panic() => return e,
+            Some(_) => {}
+            None => std::future::pending().await,
+        }
+    }
 }
 
 /// Every interface the configuration names exists: checked before anything is applied, so
@@ -598,6 +609,30 @@ mod tests {
             assert!(!restart_only(key, false).contains("detach"));
         }
         assert!(!restart_only("xdp_mode", true).contains("detach"));
+    }
+
+    /// A task that panics stops the agent; one that ends (the hellos) does not, nor does
+    /// having none left.
+    #[tokio::test]
+    async fn a_panicking_task_is_noticed_and_an_ending_one_is_not() {
+        async fn quiet(tasks: &mut JoinSet<()>) -> bool {
+            let wait = tokio::time::timeout(Duration::from_millis(200), first_panic(tasks));
+            wait.await.is_err()
+        }
+        let mut tasks = JoinSet::new();
+        tasks.spawn(async {});
+        tasks.spawn(std::future::pending());
+        assert!(
+            quiet(&mut tasks).await,
+            "a task that ended, or none, taken for a panic"
+        );
+        tasks.spawn(async { panic!("the fold loop fell over") });
+        let e = tokio::time::timeout(Duration::from_secs(5), first_panic(&mut tasks))
+            .await
+            .expect("the panic went unnoticed");
+        assert!(e.is_panic());
+        let mut none = JoinSet::new();
+        assert!(quiet(&mut none).await);
     }
 
     /// A file without `[sync]` may have idle timeouts too short for the sharing that stays on.

@@ -25,9 +25,11 @@ pub const QUIET: Duration = Duration::from_secs(10);
 /// about 0.7 s, every 35 s).
 const EVERY: Duration = Duration::from_secs(5);
 
-/// What one sweep deleted.
+/// What one sweep found and deleted.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Swept {
+    /// Entries in the table when it was walked, the deleted ones included.
+    pub entries: u64,
     /// Entries of connections that ended (see `FlowEntry::closed`).
     pub ended: u64,
     /// Entries of handshakes that never completed, per backend id, whose close no one had
@@ -57,14 +59,19 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
         (e.closed != 0 || e.acked == 0) && now.saturating_sub(e.last_seen_ns) > quiet
     };
     let mut found = Vec::new();
+    let mut entries = 0;
     map_batch::for_each(flows_id, |key: FlowKey, entry: FlowEntry| {
+        entries += 1;
         if reclaimable(&entry) {
             found.push(key);
         }
         std::ops::ControlFlow::Continue(())
     })
     .context("walking the flow table")?;
-    let mut swept = Swept::default();
+    let mut swept = Swept {
+        entries,
+        ..Swept::default()
+    };
     if found.is_empty() {
         return Ok(swept);
     }

@@ -1195,10 +1195,12 @@ fn metrics_agree(bed: &Bed, load: &[usize; BACKENDS]) -> Result<()> {
             busy == n as f64,
             "{server}: running + waiting {busy} in /metrics, {n} in show"
         );
+        // Every state has a sample: UP's must be 1.
         let up = scrape.samples.iter().any(|s| {
             s.metric == "balancer_server_state"
                 && s.labels.get("server") == Some(server.as_str())
                 && s.labels.get("state") == Some("UP")
+                && matches!(s.value, prometheus_parse::Value::Gauge(v) if v == 1.0)
         });
         ensure!(up, "{server} is not UP in /metrics");
     }

@@ -554,7 +554,9 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
         let closed_before = h.dp.backend_stats(BACKEND)?.flows_closed;
         let swept = sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
         ensure!(
-            swept.ended == 1 && swept.unanswered == [(BACKEND, 1)].into(),
+            swept.entries == cases.len() as u64
+                && swept.ended == 1
+                && swept.unanswered == [(BACKEND, 1)].into(),
             "swept {swept:?}"
         );
         for (i, &(what, .., reclaimed)) in cases.iter().enumerate() {
@@ -569,8 +571,13 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
             "{closed} closes counted for one unanswered handshake"
         );
         let again = sweep::sweep(h.dp.flows_id(), sweep::QUIET)?;
+        let kept = cases.iter().filter(|c| !c.5).count() as u64;
         ensure!(
-            again == Default::default(),
+            again
+                == sweep::Swept {
+                    entries: kept,
+                    ..Default::default()
+                },
             "a second sweep found {again:?}"
         );
         Ok(())
@@ -875,6 +882,121 @@ fn a_closed_stream_frees_its_slot_until_the_next_scrape() -> Result<()> {
         ensure!(
             c != Counter::HintHome && to != home_addr,
             "a third SYN on two freed slots: {c:?} to {to}"
+        );
+        Ok(())
+    })
+}
+
+/// A server added to a running pool by a reload takes no connection until its first good
+/// check (it may still be loading its model), and one check is enough; the pool's others
+/// take them meanwhile.
+#[test]
+fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
+    in_topology(|| {
+        let n = &v4();
+        let full = config(std::slice::from_ref(n));
+        let added = n.multi[3];
+        let mut before = full.clone();
+        let multi = before.pool.iter_mut().find(|p| p.name == "multi0").unwrap();
+        multi.server.retain(|s| s.address != added);
+        let (h, _) = Harness::load(&before)?;
+        let g0 = h.g0;
+        let mut controller = Controller::new(before, h.dp)?;
+        controller.reconfigure(full)?;
+        // Where 64 new connections to the pool go, as the program places them.
+        let placed = |c: &mut Controller, first: u16| -> Result<Vec<IpAddr>> {
+            (first..first + 64)
+                .map(|sport| {
+                    let syn = client_syn(n, n.vip_multi, sport);
+                    let (_, out) = run_on(c.dataplane(), g0, &syn.bytes())?;
+                    Ok(IpAddr::from(<[u8; 4]>::try_from(&out[30..34])?))
+                })
+                .collect()
+        };
+        let row = |c: &Controller| -> Result<balancer_agent::control::ServerRow> {
+            let view = c.show("multi0")?;
+            let row = view
+                .servers
+                .iter()
+                .find(|r| r.server.starts_with(&added.to_string()));
+            row.cloned().context("the added server in show")
+        };
+        let new = row(&controller)?;
+        ensure!(
+            new.state == "DOWN"
+                && new.weight == 0
+                && new.health == "new: waiting for its first good check",
+            "added: {new:?}"
+        );
+        let went = placed(&mut controller, 50000)?;
+        ensure!(
+            !went.contains(&added),
+            "a connection reached {added} before its first check: {went:?}"
+        );
+        let key = ("multi0".to_string(), SocketAddr::new(added, 8000));
+        controller.checked(vec![(key, None, Ok(()))]);
+        let checked = row(&controller)?;
+        ensure!(
+            checked.state == "UP" && checked.weight > 0,
+            "after one good check: {checked:?}"
+        );
+        let went = placed(&mut controller, 51000)?;
+        ensure!(
+            went.contains(&added),
+            "no connection reached {added} once UP: {went:?}"
+        );
+        Ok(())
+    })
+}
+
+/// Every server of a pool DOWN while their metrics come (checks failing on a mistake they
+/// share): they share the new connections (fail-open) rather than the program dropping
+/// them all, DOWN all the same; the first back UP takes them all.
+#[test]
+fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
+    in_topology(|| {
+        let n = &v4();
+        let mut config = config(std::slice::from_ref(n));
+        config.agent.fall = 1;
+        config.agent.rise = 1;
+        let (h, _) = Harness::load(&config)?;
+        let g0 = h.g0;
+        let mut controller = Controller::new(config, h.dp)?;
+        scrape_running(&mut controller, &|_| 0.0);
+        let key = |a: IpAddr| ("multi0".to_string(), SocketAddr::new(a, 8000));
+        let failed = n
+            .multi
+            .map(|a| (key(a), None, Err(anyhow::anyhow!("HTTP 401"))));
+        controller.checked(failed.into_iter().collect());
+        let view = controller.show("multi0")?;
+        ensure!(
+            view.servers.iter().all(|r| r.state == "DOWN"
+                && r.weight > 0
+                && r.reason == "fail-open: every server DOWN, its metrics answer"),
+            "every server DOWN, metrics fresh: {:?}",
+            view.servers
+        );
+        let placed = |c: &mut Controller, first: u16| -> Result<Vec<IpAddr>> {
+            (first..first + 32)
+                .map(|sport| {
+                    let syn = client_syn(n, n.vip_multi, sport);
+                    let (verdict, out) = run_on(c.dataplane(), g0, &syn.bytes())?;
+                    ensure!(verdict != XDP_DROP, "SYN from port {sport} dropped");
+                    Ok(IpAddr::from(<[u8; 4]>::try_from(&out[30..34])?))
+                })
+                .collect()
+        };
+        let went = placed(&mut controller, 52000)?;
+        ensure!(
+            went.iter().all(|a| n.multi.contains(a)),
+            "fail-open connections went elsewhere: {went:?}"
+        );
+        let back = n.multi[0];
+        controller.checked(vec![(key(back), None, Ok(()))]);
+        let went = placed(&mut controller, 53000)?;
+        ensure!(
+            went.iter().all(|&a| a == back),
+            "with {back} UP again, connections went to {went:?}"
         );
         Ok(())
     })
