@@ -218,36 +218,49 @@ pub struct Controller {
 }
 
 impl Controller {
-    /// Fills the maps with the configured weights; the first scrapes refine them.
+    /// Fills the maps with the configured weights; the first scrapes refine them. A start
+    /// that fails here leaves the interfaces as the agent found them (`Dataplane::abandon`:
+    /// over pinned maps, `run` attaches first).
     pub fn new(config: Config, mut dp: Dataplane) -> Result<Self> {
         // Flows in pinned maps name the ids an earlier agent gave, and the servers it was
         // draining or had found DOWN must not take a connection in between.
         let now = Instant::now();
-        let inherited = dp.inherited()?;
+        let first = (|| {
+            let inherited = dp.inherited()?;
+            let mut recovered = match &inherited {
+                Some(old) => {
+                    let vips: Vec<_> = old.vips.iter().map(|(k, v)| (*k, v.vip_id)).collect();
+                    Ids::recover(&config, &vips, &old.backends, now)
+                }
+                None => Recovered {
+                    ids: Ids::default(),
+                    draining: Vec::new(),
+                    down: Vec::new(),
+                },
+            };
+            let mut weights = Weights::new();
+            for server in &recovered.draining {
+                weights.drain(server.clone());
+            }
+            for server in &recovered.down {
+                weights.down(server.clone());
+            }
+            let plan = recovered.ids.plan(&config, &weights, now)?;
+            dp.apply(&plan)?;
+            anyhow::Ok((inherited, recovered, plan))
+        })();
+        let (inherited, recovered, plan) = match first {
+            Ok(first) => first,
+            Err(e) => {
+                dp.abandon();
+                return Err(e);
+            }
+        };
         let Recovered {
-            mut ids,
+            ids,
             draining,
             down,
-        } = match &inherited {
-            Some(old) => {
-                let vips: Vec<_> = old.vips.iter().map(|(k, v)| (*k, v.vip_id)).collect();
-                Ids::recover(&config, &vips, &old.backends, now)
-            }
-            None => Recovered {
-                ids: Ids::default(),
-                draining: Vec::new(),
-                down: Vec::new(),
-            },
-        };
-        let mut weights = Weights::new();
-        for server in &draining {
-            weights.drain(server.clone());
-        }
-        for server in &down {
-            weights.down(server.clone());
-        }
-        let plan = ids.plan(&config, &weights, now)?;
-        dp.apply(&plan)?;
+        } = recovered;
         let census = Arc::new(FlowCensus::new(dp.flows_id()));
         let mut c = Controller {
             config: Config {
@@ -288,7 +301,10 @@ impl Controller {
             info!(pool = %key.0, server = %key.1, "{what}, as the previous agent left it");
         }
         if let Some(old) = &inherited {
-            c.adopt_buckets(now, &old.vips)?;
+            if let Err(e) = c.adopt_buckets(now, &old.vips) {
+                c.dp.abandon();
+                return Err(e);
+            }
         }
         c.refresh_affinity();
         Ok(c)
@@ -332,7 +348,8 @@ impl Controller {
     }
 
     /// Takes a new configuration: servers that stay keep their state (drain, health,
-    /// metrics); new ones start UP with their configured weight.
+    /// metrics); new ones start UP with their configured weight in a new pool, DOWN until a
+    /// good check in one that runs ([`Controller::joining`]).
     /// A configuration whose maps cannot be written is not taken: the running one's ids are
     /// kept and its plan is written again over whatever part of the new one got in.
     pub fn reconfigure(&mut self, config: Config) -> Result<()> {
@@ -354,19 +371,30 @@ impl Controller {
         Ok(())
     }
 
-    /// The servers `config` adds to pools that run now: they wait for a good check
-    /// ([`Track::unproven`]). A pool new to the agent, as every pool at its start, routes
-    /// at once: it has no traffic yet to lose, and no other server to send it to.
+    /// The servers `config` adds to pools that run now (the same name, or the same VIP and
+    /// port under another name): they wait for a good check ([`Track::unproven`]). A pool
+    /// new to the agent, as every pool at its start, routes at once: it has no traffic yet
+    /// to lose, and no other server to send it to.
     fn joining(&self, config: &Config) -> HashSet<ServerKey> {
-        let running: HashSet<&str> = self.config.pool.iter().map(|p| p.name.as_str()).collect();
-        (config.pool.iter())
-            .filter(|p| running.contains(p.name.as_str()))
-            .flat_map(|p| {
-                let addrs = p.server.iter().map(|s| SocketAddr::new(s.address, s.port));
-                addrs.map(|a| (p.name.clone(), a))
-            })
-            .filter(|key| !self.servers.contains_key(key))
-            .collect()
+        let mut joining = HashSet::new();
+        for p in &config.pool {
+            let running = self
+                .config
+                .pool
+                .iter()
+                .find(|o| o.name == p.name || (o.vip, o.port) == (p.vip, p.port));
+            let Some(running) = running else {
+                continue;
+            };
+            let addr = |s: &crate::config::Server| SocketAddr::new(s.address, s.port);
+            let had: HashSet<SocketAddr> = running.server.iter().map(addr).collect();
+            for s in &p.server {
+                if !had.contains(&addr(s)) {
+                    joining.insert((p.name.clone(), addr(s)));
+                }
+            }
+        }
+        joining
     }
 
     fn adopt(&mut self, config: Config, plan: &crate::plan::Plan, joining: &HashSet<ServerKey>) {
@@ -545,6 +573,7 @@ impl Controller {
         let force = force || self.write_failed;
         let now = Instant::now();
         let stale_after = self.stale_after();
+        let hung_after = Duration::from_millis(self.config.agent.hung_after_ms);
         let mut changed = false;
         for pool in &self.config.pool {
             let keys: Vec<ServerKey> = pool
@@ -559,7 +588,13 @@ impl Controller {
                 .map(|(cfg, key)| {
                     let s = &self.servers[key];
                     ServerView {
-                        state: s.state(),
+                        // Draining first here (`state` puts DOWN first, for operators): a
+                        // drained server takes nothing, fail-open included.
+                        state: if s.draining {
+                            State::Draining
+                        } else {
+                            s.state()
+                        },
                         configured: cfg.weight,
                         running: s.reading.as_ref().map(|r| r.running),
                         waiting: s.reading.as_ref().map(|r| r.waiting),
@@ -567,6 +602,7 @@ impl Controller {
                         ttft_ms: s.ttft_ms,
                         stale: s.stale(now, stale_after),
                         fresh_flows: s.fresh_flows(),
+                        hung: s.progress.and_then(|p| p.still_for(hung_after)).is_some(),
                     }
                 })
                 .collect();
@@ -922,9 +958,10 @@ impl Controller {
                      why): it takes new connections once a retry at a later update succeeds"
                 }
                 (false, false) => "takes new connections again",
-                (false, true) =>
-                    "is no longer draining, and is DOWN: it takes new connections \
-                                  once its health checks pass",
+                (false, true) => {
+                    "is no longer draining, and is DOWN: it takes new connections once its \
+                     health checks pass (or while its pool fails open to DOWN servers)"
+                }
             }
         ))
     }
@@ -1312,14 +1349,13 @@ fn table_weights(config: &Config, servers: &HashMap<ServerKey, Server>) -> Weigh
             if let Some(server) = servers.get(&key) {
                 w.insert(key.clone(), server.decision.weight);
                 // Last: a drained or DOWN server has no slot whatever its last decision, but
-                // for a DOWN one the policy opened a pool of DOWN servers to.
+                // for a DOWN one the policy opened a pool of DOWN servers to: that one is
+                // routed to as if UP (the program places anew a SYN naming a DOWN server).
                 if server.draining {
                     w.drain(key.clone());
                 }
                 if server.track.down && (server.draining || server.decision.weight == 0) {
                     w.down(key);
-                } else if server.track.down {
-                    w.down_open(key);
                 }
             }
         }

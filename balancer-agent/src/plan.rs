@@ -92,13 +92,6 @@ impl Weights {
         self.out(server, BACKEND_F_DOWN);
     }
 
-    /// `server` of `pool` is DOWN but takes connections all the same, by the weight given
-    /// (every server of its pool is DOWN: fail-open, `policy::decide`): marked DOWN in
-    /// `BACKENDS`, and in both tables.
-    pub fn down_open(&mut self, server: (String, SocketAddr)) {
-        *self.flags.entry(server).or_insert(0) |= BACKEND_F_DOWN;
-    }
-
     fn out(&mut self, server: (String, SocketAddr), flag: u8) {
         self.insert(server.clone(), 0);
         self.exclude(server.clone());

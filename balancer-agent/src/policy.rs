@@ -124,6 +124,9 @@ pub struct ServerView {
     /// Connections the XDP program opened to this server since the metrics were taken: they
     /// are running or waiting on it now even though the last scrape could not see them.
     pub fresh_flows: u64,
+    /// Its engine holds a queue and makes no progress: its metrics answer, its model does
+    /// not, so no fail-open may send it connections.
+    pub hung: bool,
 }
 
 /// The policy's verdict on one server.
@@ -371,9 +374,9 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
         // first, a `model` they no longer serve) is likelier than all of them broken at
         // once. Dropping every new connection fails every client; the servers may well
         // serve them. Shared by load, as above. One whose metrics fail too is most likely
-        // gone, and stays out.
+        // gone, and one whose engine is hung answers no request either: both stay out.
         for (i, s) in servers.iter().enumerate() {
-            if s.state == State::Down && s.configured > 0 && !s.stale {
+            if s.state == State::Down && s.configured > 0 && !s.stale && !s.hung {
                 let unit = 1.0 / (1.0 + pics[i].load());
                 scores[i] = Some(f64::from(s.configured) * unit);
                 out[i].reason = "fail-open: every server DOWN, its metrics answer".into();
@@ -427,6 +430,7 @@ mod tests {
             ttft_ms: ttft,
             stale: false,
             fresh_flows: 0,
+            hung: false,
         }
     }
 
@@ -619,7 +623,8 @@ mod tests {
 
     /// Every server DOWN while their metrics come (checks failing on a mistake they share):
     /// those whose metrics answer share the connections by load, rather than every new
-    /// connection dropped; configured 0, draining and DOWN ones with failing metrics stay out,
+    /// connection dropped; configured 0, draining, hung and DOWN ones with failing metrics
+    /// stay out,
     /// and a single server that may take connections ends it.
     #[test]
     fn every_server_down_with_metrics_fails_open() {
@@ -635,11 +640,13 @@ mod tests {
         zero.configured = 0;
         let mut draining = idle();
         draining.state = State::Draining;
-        let servers = [down(0.0), down(3.0), gone, zero, draining];
+        let mut hung = down(4.0);
+        hung.hung = true;
+        let servers = [down(0.0), down(3.0), gone, zero, draining, hung];
         let d = decide(&servers, &t);
         assert_eq!(
             d.iter().map(|d| d.weight).collect::<Vec<_>>(),
-            [MAX_WEIGHT, 2500, 0, 0, 0]
+            [MAX_WEIGHT, 2500, 0, 0, 0, 0]
         );
         assert_eq!(
             d[0].reason,

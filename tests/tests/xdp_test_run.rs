@@ -895,6 +895,7 @@ fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
     in_topology(|| {
         let n = &v4();
         let full = config(std::slice::from_ref(n));
+        let full_config = full.clone();
         let added = n.multi[3];
         let mut before = full.clone();
         let multi = before.pool.iter_mut().find(|p| p.name == "multi0").unwrap();
@@ -945,13 +946,44 @@ fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
             went.contains(&added),
             "no connection reached {added} once UP: {went:?}"
         );
+        // A pool renamed on its VIP runs all the same: a server added with the new name
+        // waits too, and those it had go on.
+        let again = n.multi[2];
+        let mut without = controller.config().clone();
+        let multi = without
+            .pool
+            .iter_mut()
+            .find(|p| p.name == "multi0")
+            .unwrap();
+        multi.server.retain(|s| s.address != again);
+        controller.reconfigure(without)?;
+        let mut renamed = full_config.clone();
+        renamed
+            .pool
+            .iter_mut()
+            .find(|p| p.name == "multi0")
+            .unwrap()
+            .name = "multi0-b".into();
+        controller.reconfigure(renamed)?;
+        let view = controller.show("multi0-b")?;
+        for r in &view.servers {
+            let joined = r.server.starts_with(&again.to_string());
+            ensure!(
+                (r.state == "DOWN") == joined,
+                "after the rename: {} is {} ({})",
+                r.server,
+                r.state,
+                r.health
+            );
+        }
         Ok(())
     })
 }
 
 /// Every server of a pool DOWN while their metrics come (checks failing on a mistake they
 /// share): they share the new connections (fail-open) rather than the program dropping
-/// them all, DOWN all the same; the first back UP takes them all.
+/// them all, DOWN all the same, but for one being drained; the first back UP takes them
+/// all.
 #[test]
 fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
     in_topology(|| {
@@ -963,6 +995,8 @@ fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
         let g0 = h.g0;
         let mut controller = Controller::new(config, h.dp)?;
         scrape_running(&mut controller, &|_| 0.0);
+        let drained = n.multi[3];
+        controller.drain("multi0", &drained.to_string(), true)?;
         let key = |a: IpAddr| ("multi0".to_string(), SocketAddr::new(a, 8000));
         let failed = n
             .multi
@@ -970,10 +1004,13 @@ fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
         controller.checked(failed.into_iter().collect());
         let view = controller.show("multi0")?;
         ensure!(
-            view.servers.iter().all(|r| r.state == "DOWN"
-                && r.weight > 0
-                && r.reason == "fail-open: every server DOWN, its metrics answer"),
-            "every server DOWN, metrics fresh: {:?}",
+            view.servers.iter().all(|r| {
+                let open =
+                    r.weight > 0 && r.reason == "fail-open: every server DOWN, its metrics answer";
+                let out = r.server.starts_with(&drained.to_string());
+                r.state == "DOWN" && open != out
+            }),
+            "every server DOWN, metrics fresh, one drained: {:?}",
             view.servers
         );
         let placed = |c: &mut Controller, first: u16| -> Result<Vec<IpAddr>> {
@@ -988,7 +1025,7 @@ fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
         };
         let went = placed(&mut controller, 52000)?;
         ensure!(
-            went.iter().all(|a| n.multi.contains(a)),
+            went.iter().all(|a| n.multi.contains(a) && *a != drained),
             "fail-open connections went elsewhere: {went:?}"
         );
         let back = n.multi[0];
