@@ -715,7 +715,6 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
 /// And `show` says why a good check leaves it DOWN.
 #[test]
 fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
-    use balancer_agent::dialect::{Dialect, Reading};
     in_topology(|| {
         let n = &v4();
         let mut config = config(std::slice::from_ref(n));
@@ -725,31 +724,7 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
         let mut controller = Controller::new(config, h.dp)?;
         let server = n.backend.to_string();
         let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
-        let scrape = |c: &mut Controller, running: Option<f64>| {
-            let results = c
-                .scrape_targets()
-                .into_iter()
-                .map(|t| {
-                    let result = match running {
-                        Some(running) => Ok(Reading {
-                            dialect: Dialect::Plain,
-                            running,
-                            waiting: 0.0,
-                            kv_usage: None,
-                            ttft: None,
-                            progress: None,
-                            ignored: None,
-                        }),
-                        None => Err(balancer_agent::scrape::ScrapeError::Connect {
-                            addr: t.metrics,
-                            reason: "refused".into(),
-                        }),
-                    };
-                    (t, result)
-                })
-                .collect();
-            c.scraped(results);
-        };
+        let scrape = |c: &mut Controller, running: Option<f64>| scrape_running(c, &|_| running);
         let status = |c: &_| drain_status(c, &server);
         scrape(&mut controller, Some(3.0));
         controller.checked(vec![(key.clone(), None, Err(anyhow::anyhow!("HTTP 404")))]);
@@ -788,27 +763,47 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
     })
 }
 
-/// `scraped`'s result for every target: each server running what `running` says of it
-/// (0 when it says nothing), nothing waiting.
-fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> f64) {
+/// `scraped`'s result for every target: each server running what `running` says of it,
+/// nothing waiting, or its scrape failing where it says None.
+fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> Option<f64>) {
     use balancer_agent::dialect::{Dialect, Reading};
     let results = c
         .scrape_targets()
         .into_iter()
         .map(|t| {
-            let reading = Reading {
-                dialect: Dialect::Plain,
-                running: running(t.key.1),
-                waiting: 0.0,
-                kv_usage: None,
-                ttft: None,
-                progress: None,
-                ignored: None,
+            let result = match running(t.key.1) {
+                Some(running) => Ok(Reading {
+                    dialect: Dialect::Plain,
+                    running,
+                    waiting: 0.0,
+                    kv_usage: None,
+                    ttft: None,
+                    progress: None,
+                    ignored: None,
+                }),
+                None => Err(balancer_agent::scrape::ScrapeError::Connect {
+                    addr: t.metrics,
+                    reason: "refused".into(),
+                }),
             };
-            (t, Ok(reading))
+            (t, result)
         })
         .collect();
     c.scraped(results);
+}
+
+/// Where new connections from `ports` to the pool `multi0` go, as the program places them;
+/// none may be dropped.
+fn placed(c: &mut Controller, n: &Net, ports: std::ops::Range<u16>) -> Result<Vec<IpAddr>> {
+    let g0 = ifindex("g0")?;
+    ports
+        .map(|sport| {
+            let syn = client_syn(n, n.vip_multi, sport);
+            let (verdict, out) = run_on(c.dataplane(), g0, &syn.bytes())?;
+            ensure!(verdict != XDP_DROP, "SYN from port {sport} dropped");
+            Ok(IpAddr::from(<[u8; 4]>::try_from(&out[30..34])?))
+        })
+        .collect()
 }
 
 /// A stream that ends between two scrapes frees its slot for the next hinted SYN at once,
@@ -824,7 +819,7 @@ fn a_closed_stream_frees_its_slot_until_the_next_scrape() -> Result<()> {
         let (h, plan) = Harness::load(&config)?;
         let (g0, vip_id) = (h.g0, multi_vip(&plan, n).vip_id);
         let mut controller = Controller::new(config, h.dp)?;
-        scrape_running(&mut controller, &|_| 0.0);
+        scrape_running(&mut controller, &|_| Some(0.0));
         let bucket = 17u16;
         let home = controller.dataplane().bucket(vip_id, bucket)?.ids[0];
         let home_addr = *n
@@ -857,11 +852,7 @@ fn a_closed_stream_frees_its_slot_until_the_next_scrape() -> Result<()> {
             streams.push(sport);
         }
         scrape_running(&mut controller, &|a| {
-            if a.ip() == home_addr {
-                2.0
-            } else {
-                0.0
-            }
+            Some(if a.ip() == home_addr { 2.0 } else { 0.0 })
         });
         // Both end (a client's RST), then the agent folds the program's counts in.
         for sport in streams {
@@ -901,19 +892,8 @@ fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
         let multi = before.pool.iter_mut().find(|p| p.name == "multi0").unwrap();
         multi.server.retain(|s| s.address != added);
         let (h, _) = Harness::load(&before)?;
-        let g0 = h.g0;
         let mut controller = Controller::new(before, h.dp)?;
         controller.reconfigure(full)?;
-        // Where 64 new connections to the pool go, as the program places them.
-        let placed = |c: &mut Controller, first: u16| -> Result<Vec<IpAddr>> {
-            (first..first + 64)
-                .map(|sport| {
-                    let syn = client_syn(n, n.vip_multi, sport);
-                    let (_, out) = run_on(c.dataplane(), g0, &syn.bytes())?;
-                    Ok(IpAddr::from(<[u8; 4]>::try_from(&out[30..34])?))
-                })
-                .collect()
-        };
         let row = |c: &Controller| -> Result<balancer_agent::control::ServerRow> {
             let view = c.show("multi0")?;
             let row = view
@@ -929,7 +909,7 @@ fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
                 && new.health == "new: waiting for its first good check",
             "added: {new:?}"
         );
-        let went = placed(&mut controller, 50000)?;
+        let went = placed(&mut controller, n, 50000..50064)?;
         ensure!(
             !went.contains(&added),
             "a connection reached {added} before its first check: {went:?}"
@@ -941,7 +921,7 @@ fn a_server_added_by_a_reload_waits_for_its_first_good_check() -> Result<()> {
             checked.state == "UP" && checked.weight > 0,
             "after one good check: {checked:?}"
         );
-        let went = placed(&mut controller, 51000)?;
+        let went = placed(&mut controller, n, 51000..51064)?;
         ensure!(
             went.contains(&added),
             "no connection reached {added} once UP: {went:?}"
@@ -992,9 +972,8 @@ fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
         config.agent.fall = 1;
         config.agent.rise = 1;
         let (h, _) = Harness::load(&config)?;
-        let g0 = h.g0;
         let mut controller = Controller::new(config, h.dp)?;
-        scrape_running(&mut controller, &|_| 0.0);
+        scrape_running(&mut controller, &|_| Some(0.0));
         let drained = n.multi[3];
         controller.drain("multi0", &drained.to_string(), true)?;
         let key = |a: IpAddr| ("multi0".to_string(), SocketAddr::new(a, 8000));
@@ -1013,24 +992,14 @@ fn a_pool_whose_every_server_is_down_fails_open() -> Result<()> {
             "every server DOWN, metrics fresh, one drained: {:?}",
             view.servers
         );
-        let placed = |c: &mut Controller, first: u16| -> Result<Vec<IpAddr>> {
-            (first..first + 32)
-                .map(|sport| {
-                    let syn = client_syn(n, n.vip_multi, sport);
-                    let (verdict, out) = run_on(c.dataplane(), g0, &syn.bytes())?;
-                    ensure!(verdict != XDP_DROP, "SYN from port {sport} dropped");
-                    Ok(IpAddr::from(<[u8; 4]>::try_from(&out[30..34])?))
-                })
-                .collect()
-        };
-        let went = placed(&mut controller, 52000)?;
+        let went = placed(&mut controller, n, 52000..52032)?;
         ensure!(
             went.iter().all(|a| n.multi.contains(a) && *a != drained),
             "fail-open connections went elsewhere: {went:?}"
         );
         let back = n.multi[0];
         controller.checked(vec![(key(back), None, Ok(()))]);
-        let went = placed(&mut controller, 53000)?;
+        let went = placed(&mut controller, n, 53000..53032)?;
         ensure!(
             went.iter().all(|&a| a == back),
             "with {back} UP again, connections went to {went:?}"
