@@ -55,8 +55,9 @@ fn score(bucket: u16, m: &Member) -> f64 {
 
 /// New connections a server may take before a new request would have to wait for
 /// `spill_waiting` others, as the scrape saw it: its free slots, less what is already
-/// waiting (the program counts from there: less what opened since, plus what closed). Negative when more than that already wait: by how many, so that the
-/// program can still tell the least loaded of servers that are all past the threshold. At
+/// waiting (the program counts from there: less what opened since, plus what closed).
+/// Negative when more than that already wait: by how many, so that the program can still
+/// tell the least loaded of servers that are all past the threshold. At
 /// most zero when the server is held (saturated on its queue, TTFT or KV, or not UP, in the
 /// last two scrape intervals): it then counts as full, no better than a server with no free
 /// slot and no worse than one with a queue. A free slot starts a request at once while TTFT is a lagging signal, and a server

@@ -96,6 +96,9 @@ pub struct ServerRow {
     /// answer, as are the two counts below.
     #[serde(default)]
     pub saturated: bool,
+    /// It has its weight only because every server of its pool is saturated or DOWN.
+    #[serde(default)]
+    pub fail_open: bool,
     /// Connections the program opened to the server since its maps were made, and those
     /// of them that closed.
     #[serde(default)]
@@ -391,6 +394,7 @@ mod tests {
             health: String::new(),
             stale: false,
             saturated: false,
+            fail_open: false,
             flows_opened: 10,
             flows_closed: 3,
         }

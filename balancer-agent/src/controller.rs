@@ -124,6 +124,7 @@ impl Server {
             decision: Decision {
                 weight: s.weight,
                 saturated: false,
+                fail_open: false,
                 reason: "configured weight, no metrics yet".into(),
             },
             scrape_error: None,
@@ -627,6 +628,7 @@ impl Controller {
                     // Keep the applied weight, but show the current reasoning.
                     s.decision.reason = d.reason;
                     s.decision.saturated = d.saturated;
+                    s.decision.fail_open = d.fail_open;
                 }
             }
             // Forced means a state changed (DOWN, UP, drain, reload): the alternates table must
@@ -1050,6 +1052,7 @@ impl Controller {
                     scrape_error: s.scrape_error.clone(),
                     health: s.health.clone(),
                     saturated: s.decision.saturated,
+                    fail_open: s.decision.fail_open,
                     flows_opened: s.now.flows_opened,
                     flows_closed: s.now.flows_closed,
                 }

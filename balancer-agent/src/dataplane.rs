@@ -600,18 +600,7 @@ impl Dataplane {
     /// a frame came in on (`EGRESS`).
     pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
         let wanted = self.allow_egress(interfaces)?;
-        let stale: Vec<u32> = self
-            .egress
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|i| !wanted.contains(i))
-            .collect();
-        for index in stale {
-            self.egress
-                .remove(index)
-                .with_context(|| format!("removing interface {index} from EGRESS"))?;
-        }
-        Ok(())
+        egress_only(&mut self.egress, &wanted)
     }
 
     /// Lets the program send out of `interfaces`, besides those it may already; returns
@@ -737,13 +726,8 @@ impl Dataplane {
                 warn!(interface = %name, "{e:#}");
             }
         }
-        let added: Vec<u32> = (self.egress.keys().filter_map(Result::ok))
-            .filter(|i| !self.egress_at_load.contains(i))
-            .collect();
-        for index in added {
-            if let Err(e) = self.egress.remove(index) {
-                warn!(index, "removing interface {index} from EGRESS: {e:#}");
-            }
+        if let Err(e) = egress_only(&mut self.egress, &self.egress_at_load) {
+            warn!("{e:#}");
         }
     }
 
@@ -1044,16 +1028,26 @@ impl Dataplane {
     }
 }
 
-/// The kernel's answer for a link whose interface is gone (`ENOLINK`).
+/// Takes out of `egress` (`EGRESS`) every interface not in `keep`; each is tried, the first
+/// failure is the answer.
+fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<()> {
+    let stale: Vec<u32> = (egress.keys().filter_map(Result::ok))
+        .filter(|i| !keep.contains(i))
+        .collect();
+    let mut failed = Ok(());
+    for index in stale {
+        let removed = (egress.remove(index))
+            .with_context(|| format!("removing interface {index} from EGRESS"));
+        failed = failed.and(removed);
+    }
+    failed
+}
+
 /// `e`, from attaching to interface `name`, saying what to do when the kernel refused
 /// because the interface has an XDP program already (EEXIST, EBUSY): most likely a link an
 /// earlier agent pinned, which an agent with another `pin_dir`, or none, does not know of.
 fn held_elsewhere(name: &str, e: anyhow::Error) -> anyhow::Error {
-    let held = e.chain().any(|c| {
-        c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| matches!(io.raw_os_error(), Some(libc::EEXIST | libc::EBUSY)))
-    });
-    if !held {
+    if !os_error(&e, &[libc::EEXIST, libc::EBUSY]) {
         return e;
     }
     e.context(format!(
@@ -1063,10 +1057,18 @@ fn held_elsewhere(name: &str, e: anyhow::Error) -> anyhow::Error {
     ))
 }
 
+/// The kernel's answer for a link whose interface is gone (`ENOLINK`).
 fn defunct(e: &anyhow::Error) -> bool {
+    os_error(e, &[libc::ENOLINK])
+}
+
+/// Whether a system call behind `e` failed with one of `codes` (aya keeps the io error in
+/// the chain).
+fn os_error(e: &anyhow::Error, codes: &[i32]) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.raw_os_error() == Some(libc::ENOLINK))
+            .and_then(std::io::Error::raw_os_error)
+            .is_some_and(|code| codes.contains(&code))
     })
 }
 

@@ -256,7 +256,7 @@ impl Collector for Snapshot {
             "server_fail_open",
             "1 while the server takes connections only because every server of its pool is \
              saturated, or DOWN (fail-open).",
-            servers().map(|(l, s)| (l, flag(s.weight > 0 && s.reason.starts_with("fail-open")))),
+            servers().map(|(l, s)| (l, flag(s.weight > 0 && s.fail_open))),
         )?;
         counters(
             enc,
@@ -437,6 +437,7 @@ mod tests {
             health: "ok".into(),
             stale: false,
             saturated: false,
+            fail_open: false,
             flows_opened: 10,
             flows_closed: 3,
         }
@@ -456,6 +457,7 @@ mod tests {
                 servers: vec![
                     ServerRow {
                         saturated: true,
+                        fail_open: true,
                         reason: "fail-open: shared by load (waiting 2 >= 1)".into(),
                         ..row("10.4.0.11:8000", "UP", Some(3.0))
                     },

@@ -137,6 +137,9 @@ pub struct Decision {
     /// A threshold is reached (fresh metrics only). A server chosen by fail-open is still
     /// saturated.
     pub saturated: bool,
+    /// It has its weight only because no server of its pool could take a connection
+    /// otherwise: every one saturated, or DOWN (see [`decide`]).
+    pub fail_open: bool,
     /// Why the weight is what it is, for logs and `show`.
     pub reason: String,
 }
@@ -337,6 +340,7 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
         out.push(Decision {
             weight: 0,
             saturated,
+            fail_open: false,
             reason,
         });
     }
@@ -356,14 +360,16 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
         };
     }
 
+    // Fail-open's score: the configured weight shared by load alone.
+    let by_load = |i: usize| f64::from(servers[i].configured) / (1.0 + pics[i].load());
     if scores.iter().all(Option::is_none) && !saturated_fresh.is_empty() {
         // Every eligible server is saturated: share the overflow by load, so that the queues
         // grow evenly. A single "least loaded" winner would take every new connection until
         // the next scrape, and be the most loaded by then. KV headroom is gone or beside the
         // point here, so only the load counts.
         for &i in &saturated_fresh {
-            let unit = 1.0 / (1.0 + pics[i].load());
-            scores[i] = Some(f64::from(servers[i].configured) * unit);
+            scores[i] = Some(by_load(i));
+            out[i].fail_open = true;
             out[i].reason = format!("fail-open: shared by load ({})", out[i].reason);
         }
     }
@@ -377,8 +383,8 @@ pub fn decide(servers: &[ServerView], t: &Thresholds) -> Vec<Decision> {
         // gone, and one whose engine is hung answers no request either: both stay out.
         for (i, s) in servers.iter().enumerate() {
             if s.state == State::Down && s.configured > 0 && !s.stale && !s.hung {
-                let unit = 1.0 / (1.0 + pics[i].load());
-                scores[i] = Some(f64::from(s.configured) * unit);
+                scores[i] = Some(by_load(i));
+                out[i].fail_open = true;
                 out[i].reason = "fail-open: every server DOWN, its metrics answer".into();
             }
         }
@@ -624,8 +630,7 @@ mod tests {
     /// Every server DOWN while their metrics come (checks failing on a mistake they share):
     /// those whose metrics answer share the connections by load, rather than every new
     /// connection dropped; configured 0, draining, hung and DOWN ones with failing metrics
-    /// stay out,
-    /// and a single server that may take connections ends it.
+    /// stay out, and a single server that may take connections ends it.
     #[test]
     fn every_server_down_with_metrics_fails_open() {
         let t = Thresholds::default();
@@ -652,6 +657,7 @@ mod tests {
             d[0].reason,
             "fail-open: every server DOWN, its metrics answer"
         );
+        assert!(d[0].fail_open && d[1].fail_open && !d[2].fail_open);
         assert_eq!(d[2].reason, "down");
         // One UP server, even saturated, takes them all.
         let servers = [down(0.0), up(9.0, 7.0, None, None)];
