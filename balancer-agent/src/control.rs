@@ -41,6 +41,8 @@ pub enum Request {
     Hint {
         pool: String,
     },
+    /// The other gateways this one shares flows with (`[sync]`).
+    Peers,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,6 +54,7 @@ pub enum Response {
     Counters { counters: Vec<(String, u64)> },
     Buckets(BucketsView),
     Hint { start: u16, span: u16, buckets: u16 },
+    Peers { peers: Vec<PeerRow> },
     Error { message: String },
 }
 
@@ -125,6 +128,29 @@ pub struct BucketRow {
     pub rendezvous_home: String,
     /// Servers it spills to, most recent last.
     pub warm: Vec<String>,
+}
+
+/// A gateway this one shares flows with, as this one hears it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerRow {
+    /// Its address as `sync.peers` gives it.
+    pub peer: String,
+    /// `up` (a datagram of its accepted within the last 3 s: it sends one every second),
+    /// `refused` (only refused ones lately: another key, or a clock far off), `silent`.
+    pub state: String,
+    /// Since its last accepted datagram; none: never.
+    pub heard_ms_ago: Option<u64>,
+    /// Flow events received from it.
+    pub events_in: u64,
+    /// Datagrams from its address refused.
+    pub refused: u64,
+    /// Datagrams to it that could not be sent.
+    pub send_errors: u64,
+    /// Times its agent restarted while this one ran.
+    pub restarts: u64,
+    /// What is wrong, if something is: why its datagrams are refused, why sending fails,
+    /// or that it was never heard from.
+    pub problem: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -285,6 +311,41 @@ pub fn render_buckets(view: &BucketsView) -> String {
         view.buckets.len()
     );
     title + &columns(&rows)
+}
+
+/// The peers, `peer state heard events-in refused send-errors restarts`; below, each one's
+/// problem.
+pub fn render_peers(peers: &[PeerRow]) -> String {
+    let mut rows = vec![[
+        "peer",
+        "state",
+        "heard",
+        "events-in",
+        "refused",
+        "send-errors",
+        "restarts",
+    ]
+    .map(String::from)];
+    for p in peers {
+        rows.push([
+            p.peer.clone(),
+            p.state.clone(),
+            p.heard_ms_ago.map_or("never".into(), |ms| {
+                format!("{:.1} s ago", ms as f64 / 1000.0)
+            }),
+            p.events_in.to_string(),
+            p.refused.to_string(),
+            p.send_errors.to_string(),
+            p.restarts.to_string(),
+        ]);
+    }
+    let mut out = columns(&rows);
+    for p in peers {
+        if let Some(problem) = &p.problem {
+            let _ = writeln!(out, "{}: {problem}", p.peer);
+        }
+    }
+    out
 }
 
 /// Rows as left-aligned columns two spaces apart.

@@ -1186,6 +1186,11 @@ impl Controller {
             counters: self.counters().unwrap_or_default(),
             reclaimed: self.reclaimed_counters(),
             sync: self.sync_counters(),
+            peers: self
+                .sync_stats
+                .as_ref()
+                .map(|s| s.peers.rows(Instant::now()))
+                .unwrap_or_default(),
             flow_table: self
                 .flow_entries
                 .map(|n| (n, self.config.agent.flow_table_entries)),
@@ -1219,6 +1224,14 @@ impl Controller {
                 Response::Counters { counters }
             }),
             Buckets { pool } => self.buckets(&pool).map(Response::Buckets),
+            Peers => match &self.sync_stats {
+                Some(stats) => Ok(Response::Peers {
+                    peers: stats.peers.rows(Instant::now()),
+                }),
+                None => Err(anyhow::anyhow!(
+                    "this agent shares flows with no other gateway ([sync] is not configured)"
+                )),
+            },
             Hint { pool } => match self.config.pool.iter().find(|p| p.name == pool) {
                 None => Err(anyhow::anyhow!("no pool named {pool:?}")),
                 Some(p) => match p.hint_range() {

@@ -18,7 +18,7 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Semaphore, time::timeout};
 use tracing::{debug, warn};
 
-use crate::control::PoolView;
+use crate::control::{PeerRow, PoolView};
 
 /// The OpenMetrics text format, which `render` writes and Prometheus reads.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -32,6 +32,8 @@ pub struct Snapshot {
     pub reclaimed: Vec<(String, u64)>,
     /// Flows shared with other gateways (`sync.rs`), by name; empty without `[sync]`.
     pub sync: Vec<(String, u64)>,
+    /// The gateways flows are shared with; empty without `[sync]`.
+    pub peers: Vec<PeerRow>,
     /// Entries in the flow table at the last sweep, and its size; none before the first.
     pub flow_table: Option<(u64, u32)>,
     pub pools: Vec<PoolView>,
@@ -199,6 +201,9 @@ impl Collector for Snapshot {
                 &self.sync,
             )?;
         }
+        if !self.peers.is_empty() {
+            self.encode_peers(&mut encoder)?;
+        }
         if let Some((entries, size)) = self.flow_table {
             gauge(
                 &mut encoder,
@@ -319,6 +324,55 @@ impl Collector for Snapshot {
             servers().map(|(l, s)| (l, Some(f64::from(u8::from(s.scrape_error.is_some()))))),
         )?;
         Ok(())
+    }
+}
+
+impl Snapshot {
+    fn encode_peers(&self, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let peers = || {
+            self.peers.iter().map(|p| {
+                let labels: Labels = vec![("peer", p.peer.clone())];
+                (labels, p)
+            })
+        };
+        gauges(
+            enc,
+            "sync_peer_up",
+            "1 while a datagram of the peer was accepted within the last 3 s (each gateway \
+             sends every peer one a second).",
+            peers().map(|(l, p)| (l, flag(p.state == "up"))),
+        )?;
+        gauges(
+            enc,
+            "sync_peer_last_heard_seconds",
+            "Time since the peer's last accepted datagram (absent: never heard from).",
+            peers().map(|(l, p)| (l, p.heard_ms_ago.map(|ms| ms as f64 / 1000.0))),
+        )?;
+        counters(
+            enc,
+            "sync_peer_events_received",
+            "Flow events received from the peer.",
+            peers().map(|(l, p)| (l, p.events_in)),
+        )?;
+        counters(
+            enc,
+            "sync_peer_refused",
+            "Datagrams from the peer's address refused (bad tag: another key; stale: clocks \
+             apart; malformed, replayed).",
+            peers().map(|(l, p)| (l, p.refused)),
+        )?;
+        counters(
+            enc,
+            "sync_peer_send_errors",
+            "Datagrams to the peer that could not be sent.",
+            peers().map(|(l, p)| (l, p.send_errors)),
+        )?;
+        counters(
+            enc,
+            "sync_peer_restarts",
+            "Times the peer's agent restarted while this one ran.",
+            peers().map(|(l, p)| (l, p.restarts)),
+        )
     }
 }
 
@@ -449,6 +503,28 @@ mod tests {
             counters: vec![("packets".into(), 12), ("flow_new_syn".into(), 3)],
             reclaimed: vec![("flows_reclaimed_ended".into(), 5)],
             sync: vec![("sync_sent".into(), 7)],
+            peers: vec![
+                PeerRow {
+                    peer: "10.0.2.2:7471".into(),
+                    state: "up".into(),
+                    heard_ms_ago: Some(400),
+                    events_in: 12,
+                    refused: 1,
+                    send_errors: 0,
+                    restarts: 2,
+                    problem: None,
+                },
+                PeerRow {
+                    peer: "10.0.2.3:7471".into(),
+                    state: "silent".into(),
+                    heard_ms_ago: None,
+                    events_in: 0,
+                    refused: 0,
+                    send_errors: 5,
+                    restarts: 0,
+                    problem: Some("never heard from".into()),
+                },
+            ],
             flow_table: Some((1200, 262144)),
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
@@ -469,12 +545,12 @@ mod tests {
         let lines: Vec<&str> = text.lines().map(str::trim).collect();
         let parsed =
             prometheus_parse::Scrape::parse(lines.iter().map(|l| Ok(l.to_string()))).unwrap();
-        let value = |name: &str, server: Option<&str>| {
+        let labelled = |name: &str, label: &str, is: Option<&str>| {
             parsed
                 .samples
                 .iter()
                 .filter(|s| s.metric == name)
-                .filter(|s| server.is_none_or(|v| s.labels.get("server") == Some(v)))
+                .filter(|s| is.is_none_or(|v| s.labels.get(label) == Some(v)))
                 .map(|s| match s.value {
                     prometheus_parse::Value::Counter(v)
                     | prometheus_parse::Value::Gauge(v)
@@ -483,7 +559,21 @@ mod tests {
                 })
                 .collect::<Vec<_>>()
         };
+        let value = |name: &str, server: Option<&str>| labelled(name, "server", server);
         assert_eq!(value("balancer_xdp_events_total", None), [12.0, 3.0]);
+        // Every peer a sample, but the time since a peer never heard from.
+        let peer = |name: &str| labelled(name, "peer", None);
+        assert_eq!(peer("balancer_sync_peer_up"), [1.0, 0.0]);
+        assert_eq!(peer("balancer_sync_peer_last_heard_seconds"), [0.4]);
+        let second = labelled("balancer_sync_peer_up", "peer", Some("10.0.2.3:7471"));
+        assert_eq!(second, [0.0]);
+        assert_eq!(
+            peer("balancer_sync_peer_events_received_total"),
+            [12.0, 0.0]
+        );
+        assert_eq!(peer("balancer_sync_peer_refused_total"), [1.0, 0.0]);
+        assert_eq!(peer("balancer_sync_peer_send_errors_total"), [0.0, 5.0]);
+        assert_eq!(peer("balancer_sync_peer_restarts_total"), [2.0, 0.0]);
         assert_eq!(value("balancer_sync_events_total", None), [7.0]);
         assert_eq!(value("balancer_agent_events_total", None), [5.0]);
         assert_eq!(value("balancer_flow_table_entries", None), [1200.0]);

@@ -8,7 +8,7 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_agent::{
     config::{Config, Forwarding, DEFAULT_CONTROL_SOCKET},
-    control::{answer_wait, call, render, render_buckets, Request, Response},
+    control::{answer_wait, call, render, render_buckets, render_peers, Request, Response},
 };
 use clap::{Parser, Subcommand};
 
@@ -121,6 +121,16 @@ enum Command {
         /// The agent's control socket (`agent.control_socket`), when it is not the default.
         #[arg(long)]
         socket: Option<PathBuf>,
+    },
+    /// The gateways this one shares flows with (`[sync]`): whether each is heard (every
+    /// gateway sends each peer a datagram a second), what it sent, what was refused.
+    Peers {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
     },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
@@ -314,6 +324,16 @@ fn execute(command: Command) -> Result<()> {
                     format!("source port {first} only")
                 };
                 eprintln!("bucket {bucket} of {}: {ports}", range.buckets);
+            }
+            Ok(())
+        }
+        Command::Peers { json, socket } => {
+            match ask(&socket, &Request::Peers)? {
+                Response::Peers { peers } if json => {
+                    println!("{}", serde_json::to_string_pretty(&peers)?)
+                }
+                Response::Peers { peers } => print!("{}", render_peers(&peers)),
+                other => bail!("unexpected answer: {other:?}"),
             }
             Ok(())
         }

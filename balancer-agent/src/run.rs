@@ -124,7 +124,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     let mut sharing_with = None;
     if let Some((socket, keys, peers)) = sharing {
-        let stats = Arc::new(sync::Stats::default());
+        let stats = Arc::new(sync::Stats::new(&peers));
         let (ring, flows_id) = {
             let mut c = lock(&ctl);
             c.share_stats(stats.clone());
@@ -139,7 +139,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let c = ctl.clone();
         let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
         tasks.spawn(sync::receive_loop(sender.clone(), flows_id, apply));
-        tasks.spawn(sync::hello_loop(sender));
+        tasks.spawn(sync::heartbeat_loop(sender));
         info!(peers = ?peers, "sharing flows with the other gateways");
     } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
         tasks.spawn(sync::discard_loop(ring));
@@ -167,8 +167,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The first task of `tasks` to panic (its message went to the log as it did). Tasks that
-/// end (the first hellos to the peers) are let go; with none left, never.
+/// The first task of `tasks` to panic (its message went to the log as it did). A task that
+/// ends is let go; with none left, never.
 async fn first_panic(tasks: &mut JoinSet<()>) -> JoinError {
     loop {
         match tasks.join_next().await {

@@ -5,7 +5,10 @@
 //! keepalive every third of the idle timeout) and the agent sends them to its peers, whose
 //! agents write the same backend into their own flow tables: the connection stays on its
 //! server whichever gateway its packets cross. A starting agent asks its peers for all their
-//! live flows (hello), so that a gateway back from a reboot knows them too.
+//! live flows (hello), so that a gateway back from a reboot knows them too. Every agent
+//! also sends each peer an empty batch every [`HEARTBEAT`], so that a peer lost, or one
+//! whose datagrams are refused (another key, a clock far off), shows in `peers` and the
+//! metrics before a failover needs it.
 //!
 //! On the wire: one UDP datagram per batch of at most [`MAX_EVENTS`] events, a version byte,
 //! the batch in postcard, and an HMAC-SHA256 of both under the key all gateways share.
@@ -22,9 +25,9 @@ use std::{
     path::Path,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
-        Arc, PoisonError, RwLock,
+        Arc, Mutex, PoisonError, RwLock,
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{bail, Context, Result};
@@ -39,7 +42,7 @@ use sha2::Sha256;
 use tokio::net::UdpSocket;
 use tracing::{debug, info, warn};
 
-use crate::config::FlowSync;
+use crate::{config::FlowSync, control::PeerRow};
 
 /// The format of the datagrams; a receiver refuses any other.
 pub const VERSION: u8 = 1;
@@ -56,6 +59,12 @@ pub const MAX_BACKLOG_EPOCHS: u32 = 10;
 const REPLAY_WINDOW: u64 = 64;
 /// The shortest key accepted: 32 bytes, the HMAC-SHA256 block's strength.
 pub const MIN_KEY_BYTES: usize = 32;
+/// How often an agent sends every peer an empty batch (the first ones are hellos): each
+/// peer's datagrams then say, every second, that it runs and that its key and clock are
+/// right.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A peer is silent once nothing came from it for this long: three heartbeats in a row lost.
+pub const SILENT_AFTER: Duration = Duration::from_secs(3);
 /// How often the agent drains the program's ring: the longest a new flow waits before its
 /// peers hear of it, at most a few hundred events each time at the gateway benchmark's rate.
 pub const DRAIN_INTERVAL: Duration = Duration::from_millis(10);
@@ -279,7 +288,7 @@ pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
 /// [`MAX_AGE`] is forgotten: any datagram of its that could be replayed is too old by then.
 pub struct Replays {
     own: u64,
-    senders: std::collections::HashMap<u64, (u64, u64, std::time::Instant)>,
+    senders: std::collections::HashMap<u64, (u64, u64, Instant)>,
 }
 
 impl Replays {
@@ -291,7 +300,7 @@ impl Replays {
     }
 
     /// Whether `batch` is new: not this agent's own, not seen before.
-    pub fn check(&mut self, batch: &Batch, now: std::time::Instant) -> Result<(), Refused> {
+    pub fn check(&mut self, batch: &Batch, now: Instant) -> Result<(), Refused> {
         if batch.sender == self.own {
             return Err(Refused::Reflected);
         }
@@ -338,7 +347,8 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// What sharing did since the agent started, for `counters` and the metrics endpoint.
+/// What sharing did since the agent started, for `counters`, `peers` and the metrics
+/// endpoint.
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Events this agent sent (each to every peer).
@@ -354,9 +364,20 @@ pub struct Stats {
     pub refused: AtomicU64,
     /// Reports the ring had kept too long (no agent drained it), dropped unsent.
     pub backlog: AtomicU64,
+    /// Each peer's side of it.
+    pub peers: PeerLog,
 }
 
 impl Stats {
+    pub fn new(peers: &[SocketAddr]) -> Self {
+        Stats {
+            peers: PeerLog(Mutex::new(
+                peers.iter().map(|p| (*p, Heard::default())).collect(),
+            )),
+            ..Stats::default()
+        }
+    }
+
     pub fn counters(&self) -> Vec<(String, u64)> {
         [
             ("sync_sent", &self.sent),
@@ -369,6 +390,104 @@ impl Stats {
         .into_iter()
         .map(|(name, v)| (name.to_owned(), v.load(Ordering::Relaxed)))
         .collect()
+    }
+}
+
+/// What this agent heard from each configured peer and could send it.
+#[derive(Debug, Default)]
+pub struct PeerLog(Mutex<Vec<(SocketAddr, Heard)>>);
+
+#[derive(Debug, Default, Clone)]
+pub struct Heard {
+    /// When the peer's last accepted datagram came, and the agent run that sent it.
+    last: Option<(Instant, u64)>,
+    /// Times the run changed: the peer's agent restarted.
+    restarts: u64,
+    events: u64,
+    refused: u64,
+    /// When the latest datagram from its address was refused, and why, while none was
+    /// accepted after it.
+    refusing: Option<(Instant, String)>,
+    send_errors: u64,
+    /// Why the latest datagram to it could not be sent, while none went after it.
+    unsendable: Option<String>,
+}
+
+impl PeerLog {
+    fn with(&self, peer: SocketAddr, f: impl FnOnce(&mut Heard)) {
+        let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, heard)) = peers.iter_mut().find(|(p, _)| *p == peer) {
+            f(heard);
+        }
+    }
+
+    /// A datagram from `peer`'s run `run`, with `events`, accepted at `now`.
+    pub fn accepted(&self, peer: SocketAddr, run: u64, events: usize, now: Instant) {
+        self.with(peer, |h| {
+            if h.last.is_some_and(|(_, r)| r != run) {
+                h.restarts += 1;
+            }
+            h.last = Some((now, run));
+            h.events += events as u64;
+            h.refusing = None;
+        });
+    }
+
+    /// A datagram from `peer`'s address refused at `now`.
+    pub fn refused(&self, peer: SocketAddr, why: &Refused, now: Instant) {
+        self.with(peer, |h| {
+            h.refused += 1;
+            h.refusing = Some((now, why.to_string()));
+        });
+    }
+
+    /// The outcome of a send to `peer`.
+    pub fn sent(&self, peer: SocketAddr, outcome: Result<(), &std::io::Error>) {
+        self.with(peer, |h| match outcome {
+            Ok(()) => h.unsendable = None,
+            Err(e) => {
+                h.send_errors += 1;
+                h.unsendable = Some(e.to_string());
+            }
+        });
+    }
+
+    /// Every configured peer as `peers` shows it, at `now`.
+    pub fn rows(&self, now: Instant) -> Vec<PeerRow> {
+        let peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.iter().map(|(peer, h)| h.row(*peer, now)).collect()
+    }
+}
+
+impl Heard {
+    fn row(&self, peer: SocketAddr, now: Instant) -> PeerRow {
+        let recent = |at: Instant| now.saturating_duration_since(at) < SILENT_AFTER;
+        let ago = self.last.map(|(at, _)| now.saturating_duration_since(at));
+        // Up while its datagrams come, whatever else arrives from its address (a forged or
+        // replayed datagram is refused too).
+        let state = if self.last.is_some_and(|(at, _)| recent(at)) {
+            "up"
+        } else if self.refusing.as_ref().is_some_and(|(at, _)| recent(*at)) {
+            "refused"
+        } else {
+            "silent"
+        };
+        let problem = match (&self.refusing, &self.unsendable) {
+            (Some((_, why)), _) => Some(format!("its datagrams are refused: {why}")),
+            (None, Some(e)) => Some(format!("sending to it fails: {e}")),
+            (None, None) if ago.is_none() => Some("never heard from".to_owned()),
+            (None, None) => None,
+        };
+        PeerRow {
+            peer: peer.to_string(),
+            state: state.to_owned(),
+            heard_ms_ago: ago.map(|a| a.as_millis() as u64),
+            events_in: self.events,
+            refused: self.refused,
+            send_errors: self.send_errors,
+            restarts: self.restarts,
+            problem,
+        }
     }
 }
 
@@ -423,9 +542,9 @@ impl Sender {
         }
     }
 
-    /// Asks each peer for its live flows.
-    pub async fn hello(&self) {
-        self.send_batch(&self.peers, &[], true).await;
+    /// An empty batch to each peer; with `hello`, asking for its live flows.
+    async fn beat(&self, hello: bool) {
+        self.send_batch(&self.peers, &[], hello).await;
     }
 
     async fn send_batch(&self, to: &[SocketAddr], events: &[Event], hello: bool) {
@@ -438,7 +557,9 @@ impl Sender {
         };
         let datagram = seal(&self.keys().seal, &batch);
         for peer in to {
-            match self.socket.send_to(&datagram, peer).await {
+            let sent = self.socket.send_to(&datagram, peer).await;
+            self.stats.peers.sent(*peer, sent.as_ref().map(|_| ()));
+            match sent {
                 Ok(_) => {
                     let n = events.len() as u64;
                     self.stats.sent.fetch_add(n, Ordering::Relaxed);
@@ -485,23 +606,21 @@ pub async fn discard_loop(mut ring: RingBuf<MapData>) {
     }
 }
 
-/// When this agent starts, it asks every peer for the flows it has, a few times
-/// ([`HELLO_AT`]: datagrams get lost): a gateway that starts with an empty flow table (a
-/// reboot, a new gateway) or missed reports while its agent was down learns the live ones
-/// before traffic moves to it.
-pub async fn hello_loop(sender: Arc<Sender>) {
-    let started = tokio::time::Instant::now();
-    for at in HELLO_AT {
-        tokio::time::sleep_until(started + at).await;
-        sender.hello().await;
+/// Sends every peer an empty batch every [`HEARTBEAT`], until the agent stops. The first
+/// ones ([`HELLO_BEATS`]: datagrams get lost) are hellos, asking for the peer's flows: a
+/// gateway that starts with an empty flow table (a reboot, a new gateway) or missed reports
+/// while its agent was down learns the live ones before traffic moves to it.
+pub async fn heartbeat_loop(sender: Arc<Sender>) {
+    let mut beats = tokio::time::interval(HEARTBEAT);
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for beat in 0u64.. {
+        beats.tick().await;
+        sender.beat(HELLO_BEATS.contains(&beat)).await;
     }
 }
 
-const HELLO_AT: [Duration; 3] = [
-    Duration::ZERO,
-    Duration::from_secs(1),
-    Duration::from_secs(3),
-];
+/// The heartbeats that are hellos: at 0, 1 and 3 s.
+const HELLO_BEATS: [u64; 3] = [0, 1, 3];
 /// Datagrams of a table dump sent per millisecond: about 64,000 flows a second, which the
 /// receiving agent writes into its table as they come.
 const DUMP_PER_MS: usize = 4;
@@ -596,20 +715,19 @@ pub async fn receive_loop(
         let opened = sender
             .keys()
             .open(&buf[..len], unix_ms())
-            .and_then(|batch| {
-                replays
-                    .check(&batch, std::time::Instant::now())
-                    .map(|()| batch)
-            });
+            .and_then(|batch| replays.check(&batch, Instant::now()).map(|()| batch));
+        // The address the configuration gives: the source port is not authenticated.
+        let to = configured(&sender.peers, from);
         match opened {
             Ok(batch) => {
                 refusing.remove(&peer);
+                stats
+                    .peers
+                    .accepted(to, batch.sender, batch.events.len(), Instant::now());
                 let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
-                // Once per agent run that asks (it asks a few times), to the address the
-                // configuration gives: the source port is not authenticated.
-                let to = configured(&sender.peers, from);
+                // Once per agent run that asks (it asks a few times).
                 let greeted = dumps.get(&to).is_some_and(|(run, _)| *run == batch.sender);
                 if batch.hello && !greeted {
                     info!(peer = %to, "a peer started: sending it our flows");
@@ -624,6 +742,7 @@ pub async fn receive_loop(
                 // change), then quietly counted: a peer with another key or a clock far off
                 // says so without flooding the log.
                 stats.refused.fetch_add(1, Ordering::Relaxed);
+                stats.peers.refused(to, &why, Instant::now());
                 if refusing.insert(peer) {
                     warn!(%from, "refused a datagram from a peer: {why}");
                 }
@@ -650,7 +769,6 @@ fn configured(peers: &[SocketAddr], from: SocketAddr) -> SocketAddr {
 mod tests {
     use super::*;
     use balancer_common::{addr_words, FlowKey, IPPROTO_TCP};
-    use std::time::Instant;
 
     fn key(byte: u8) -> Key {
         Key::new(&[byte; 32]).unwrap()
@@ -765,6 +883,63 @@ mod tests {
             open(&key(1), &datagram, 1_000_000 - 30_001),
             Err(Refused::Stale(-30_001))
         );
+    }
+
+    /// Up while its datagrams are accepted, whatever else comes from its address; refused
+    /// while only refused ones come; silent after three heartbeats lost; a restart counted.
+    #[test]
+    fn each_peer_is_told_as_it_is_heard() {
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.2.2:7471".parse().unwrap(),
+            "10.0.2.3:7471".parse().unwrap(),
+        );
+        let stats = Stats::new(&[a, b]);
+        let log = &stats.peers;
+        let t0 = Instant::now();
+        let s = |secs: f64| t0 + Duration::from_secs_f64(secs);
+        let row = |at: f64| log.rows(s(at)).remove(0);
+        let never = row(0.0);
+        assert_eq!((never.state.as_str(), never.heard_ms_ago), ("silent", None));
+        assert_eq!(never.problem.as_deref(), Some("never heard from"));
+
+        log.accepted(a, 7, 3, s(0.0));
+        let up = row(1.0);
+        assert_eq!((up.state.as_str(), up.heard_ms_ago), ("up", Some(1000)));
+        assert_eq!((up.events_in, up.restarts, up.problem), (3, 0, None));
+        // A forged datagram from its address: counted and said, the peer still up.
+        log.refused(a, &Refused::Tag, s(1.5));
+        let forged = row(2.0);
+        assert_eq!((forged.state.as_str(), forged.refused), ("up", 1));
+        assert!(forged.problem.unwrap().contains("another key"));
+        // Another run: its agent restarted. An accepted datagram clears the refusal.
+        log.accepted(a, 8, 0, s(2.0));
+        let restarted = row(2.5);
+        assert_eq!((restarted.restarts, restarted.problem), (1, None));
+        assert_eq!(row(4.9).state, "up");
+        assert_eq!(row(5.0).state, "silent");
+        // Another key: only refused datagrams, then none.
+        log.refused(a, &Refused::Stale(40_000), s(6.0));
+        assert_eq!(row(7.0).state, "refused");
+        assert!(row(7.0).problem.unwrap().contains("clocks apart"));
+        assert_eq!(row(9.0).state, "silent");
+        // The other peer: what could not be sent, until something is.
+        let unreachable = std::io::Error::from(std::io::ErrorKind::HostUnreachable);
+        log.sent(b, Err(&unreachable));
+        let other = log.rows(s(9.0)).remove(1);
+        assert_eq!(
+            (other.peer.as_str(), other.send_errors),
+            ("10.0.2.3:7471", 1)
+        );
+        assert!(other.problem.unwrap().starts_with("sending to it fails"));
+        log.sent(b, Ok(()));
+        let sent = log.rows(s(9.0)).remove(1);
+        assert_eq!(
+            (sent.send_errors, sent.problem.as_deref()),
+            (1, Some("never heard from"))
+        );
+        // An address that is not a peer's changes nothing.
+        log.accepted("10.0.2.9:7471".parse().unwrap(), 9, 5, s(9.0));
+        assert_eq!(log.rows(s(9.0)).iter().map(|r| r.events_in).sum::<u64>(), 3);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 #[cfg(feature = "agent")]
-use balancer_agent::control::{BucketsView, PoolView, ServerRow};
+use balancer_agent::control::{BucketsView, PeerRow, PoolView, ServerRow};
 use serde::Serialize;
 
 use crate::netns::Netns;
@@ -393,6 +393,12 @@ impl<'t> Agent<'t> {
     pub fn buckets(&self, pool: &str) -> Result<BucketsView> {
         let text = self.cli(&["buckets", pool, "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("buckets --json printed {text:?}"))
+    }
+
+    /// The gateways the agent shares flows with, as `peers --json` prints them.
+    pub fn peers(&self) -> Result<Vec<PeerRow>> {
+        let text = self.cli(&["peers", "--json"])?;
+        serde_json::from_str(&text).with_context(|| format!("peers --json printed {text:?}"))
     }
 
     /// Polls `show` of `pool` every `poll` until `pred` holds: that answer, and when it

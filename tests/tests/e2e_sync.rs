@@ -13,7 +13,8 @@
 //! learns the streams by asking the first for its flows. Meanwhile the gateways roll a new
 //! key out, by reloads on the first and the restart of the second: each accepts the other's
 //! datagrams at every step. A datagram from an address that is not a peer changes nothing
-//! and is counted.
+//! and is counted. `peers` tells each gateway's view of the other: up while it runs (with
+//! the events it sent, and a restart), silent once it is gone.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
@@ -22,6 +23,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use balancer_agent::control::PeerRow;
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::sim::client::{self, read_on, Stream};
@@ -75,6 +77,16 @@ fn wait_counter(agent: &Agent, name: &str, at_least: u64) -> Result<u64> {
         );
         thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// `agent`'s view of its peer at `addr`.
+fn peer(agent: &Agent, addr: SocketAddr) -> Result<PeerRow> {
+    let peers = agent.peers()?;
+    let wanted = addr.to_string();
+    peers
+        .into_iter()
+        .find(|p| p.peer == wanted)
+        .with_context(|| format!("no peer {wanted} in `peers`"))
 }
 
 /// `PROBES` short completions through the VIP on new connections: all must succeed, none
@@ -184,6 +196,16 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     let sent = wait_counter(&first, "sync_sent", STREAMS as u64)?;
     let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
     println!("streams on {carrying:?}; the first gateway sent {sent} events, the second applied {applied}");
+    let (of_second, of_first) = (peer(&first, side[1])?, peer(&second, side[0])?);
+    ensure!(
+        of_second.state == "up" && of_first.state == "up",
+        "each gateway must hear the other: {of_second:?}, {of_first:?}"
+    );
+    ensure!(
+        of_first.events_in >= STREAMS as u64,
+        "the second gateway heard of {} events from the first",
+        of_first.events_in
+    );
 
     // The second gateway restarts with an empty flow table (no pins: a reboot, as far as
     // its maps go) after the streams were reported: it asks the first for its flows. A new
@@ -218,6 +240,11 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     })?;
     let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
     println!("after its restart the second gateway applied {applied} flows; the first: {dumped}");
+    let restarted = peer(&first, side[1])?;
+    ensure!(
+        restarted.state == "up" && restarted.restarts == 1,
+        "the first gateway must hear the second again, restarted once: {restarted:?}"
+    );
     // The rollout's last step on the first gateway: it seals with the new key only.
     set_keys(&mut first_config, &new_key_file, &[]);
     first.reload(&first_config)?;
@@ -279,6 +306,13 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         unknown == 0,
         "the second gateway did not know {unknown} flows"
     );
+    // The streams ran on for many seconds: the first gateway is long silent.
+    let gone = peer(&second, side[0])?;
+    ensure!(
+        gone.state == "silent" && gone.heard_ms_ago.is_some_and(|ms| ms >= 3000),
+        "the second gateway must see the first one gone: {gone:?}"
+    );
+    println!("{}", second.cli(&["peers"])?);
     second.stop()?;
     Ok(())
 }
