@@ -43,19 +43,38 @@ pub enum Request {
     },
     /// The other gateways this one shares flows with (`[sync]`).
     Peers,
+    /// Read the configuration file again and apply it, as SIGHUP does.
+    Reload,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Response {
     Pool(PoolView),
-    Done { message: String },
+    Done {
+        message: String,
+    },
     DrainStatus(DrainStatus),
-    Counters { counters: Vec<(String, u64)> },
+    Counters {
+        counters: Vec<(String, u64)>,
+    },
     Buckets(BucketsView),
-    Hint { start: u16, span: u16, buckets: u16 },
-    Peers { peers: Vec<PeerRow> },
-    Error { message: String },
+    Hint {
+        start: u16,
+        span: u16,
+        buckets: u16,
+    },
+    Peers {
+        peers: Vec<PeerRow>,
+    },
+    /// A reload went through: the pools in place, and what only a restart changes.
+    Reloaded {
+        pools: usize,
+        warnings: Vec<String>,
+    },
+    Error {
+        message: String,
+    },
 }
 
 /// One pool in the operator's terms.

@@ -1232,6 +1232,10 @@ impl Controller {
                     "this agent shares flows with no other gateway ([sync] is not configured)"
                 )),
             },
+            // It reads the file the agent started with: `run` answers it.
+            Reload => Err(anyhow::anyhow!(
+                "a reload is the running agent's to answer, not its controller's"
+            )),
             Hint { pool } => match self.config.pool.iter().find(|p| p.name == pool) {
                 None => Err(anyhow::anyhow!("no pool named {pool:?}")),
                 Some(p) => match p.hint_range() {

@@ -33,6 +33,14 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Make the running agent read its configuration file again and apply it, as SIGHUP
+    /// does, and say how it went: why the file is refused (nothing is applied then), or
+    /// what only a restart changes.
+    Reload {
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
     /// Remove what a stopped agent left pinned in its `agent.pin_dir`: detaches the program
     /// from every interface (open connections through the VIPs are lost) and unpins its maps.
     Detach {
@@ -179,6 +187,19 @@ fn execute(command: Command) -> Result<()> {
             .enable_all()
             .build()?
             .block_on(balancer_agent::run::run(&config)),
+        Command::Reload { socket } => match ask(&socket, &Request::Reload)? {
+            Response::Reloaded { pools, warnings } => {
+                for w in warnings {
+                    eprintln!("warning: {w}");
+                }
+                println!(
+                    "reloaded: {pools} pool{}",
+                    if pools == 1 { "" } else { "s" }
+                );
+                Ok(())
+            }
+            other => bail!("unexpected answer: {other:?}"),
+        },
         Command::Detach { config } => {
             let c = Config::load(&config)?;
             let Some(dir) = c.agent.pin_dir else {

@@ -1,11 +1,12 @@
 //! `balancer-agent run`: load, fill the maps, attach, then keep them current: scrapes,
 //! counter folds and health checks each on their own schedule, the control socket, and
-//! signals (SIGHUP reloads the configuration; SIGINT and SIGTERM detach and exit, or with
-//! `agent.pin_dir` leave the program attached for the next agent).
+//! signals (SIGHUP, or `reload` over the socket, reloads the configuration; SIGINT and
+//! SIGTERM detach and exit, or with `agent.pin_dir` leave the program attached for the next
+//! agent).
 
 use std::{
     os::unix::fs::{FileTypeExt, PermissionsExt},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -118,7 +119,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
     tasks.spawn(fold_loop(ctl.clone()));
     tasks.spawn(relink_loop(ctl.clone()));
     tasks.spawn(health_loop(ctl.clone(), routes));
-    tasks.spawn(serve(listener, ctl.clone()));
     if let Some(listener) = metrics {
         tasks.spawn(export(listener, ctl.clone()));
     }
@@ -144,12 +144,18 @@ pub async fn run(config_path: &Path) -> Result<()> {
     } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
         tasks.spawn(sync::discard_loop(ring));
     }
+    let reloader = Arc::new(Reloader {
+        path: config_path.to_owned(),
+        ctl: ctl.clone(),
+        sender: sharing_with,
+    });
+    tasks.spawn(serve(listener, ctl.clone(), reloader.clone()));
     let failed = loop {
         tokio::select! {
-            _ = hup.recv() => match reload(config_path, &ctl, sharing_with.as_deref()) {
-                Ok(pools) => info!(pools, "config reloaded"),
-                Err(e) => error!("reload failed, keeping the running configuration: {e:#}"),
-            },
+            _ = hup.recv() => {
+                // Logged either way; nobody waits for the answer.
+                let _ = reloader.reload();
+            }
             _ = int.recv() => break None,
             _ = term.recv() => break None,
             panic = first_panic(&mut tasks) => break Some(panic),
@@ -188,15 +194,50 @@ pub fn require_interfaces(config: &Config) -> Result<()> {
     Ok(())
 }
 
+/// What a reload reads and changes: the file the agent started with, the controller, and
+/// with `[sync]` the sender whose keys it replaces. SIGHUP and `reload` both go through it;
+/// the runtime has one thread and a reload does not yield, so two never interleave.
+struct Reloader {
+    path: PathBuf,
+    ctl: Shared,
+    sender: Option<Arc<sync::Sender>>,
+}
+
+/// A reload that went through: the pools in place, and what it could not change.
+struct Reloaded {
+    pools: usize,
+    warnings: Vec<String>,
+}
+
+impl Reloader {
+    /// Reloads, and logs how it went.
+    fn reload(&self) -> Result<Reloaded> {
+        let outcome = reload(&self.path, &self.ctl, self.sender.as_deref());
+        match &outcome {
+            Ok(done) => {
+                for w in &done.warnings {
+                    warn!("{w}");
+                }
+                info!(pools = done.pools, "config reloaded");
+            }
+            Err(e) => error!("{RELOAD_FAILED}: {e:#}"),
+        }
+        outcome
+    }
+}
+
+/// How a refused reload is said, in the log and to `reload`.
+const RELOAD_FAILED: &str = "reload failed, keeping the running configuration";
+
 /// Applies a new configuration to new flows; established flows keep their backends. With
 /// `[sync]` (`sender`), the key files are read again.
-fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<usize> {
+fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<Reloaded> {
     let mut new = Config::load(path)?;
     require_interfaces(&new)?;
     let api_keys = health::api_keys(&new)?;
     let mut c = lock(ctl);
     let file_shares = new.sync.is_some();
-    keep_restart_only(&mut new, c.config())?;
+    let mut warnings = keep_restart_only(&mut new, c.config())?;
     // The keys change now (a rollout goes through reloads).
     let keys = match (&new.sync, sender) {
         (Some(next), Some(sender)) if file_shares => Some((sender, sync::Keys::load(next)?)),
@@ -233,13 +274,15 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<us
     // The new configuration is live: an interface that cannot be left is the one thing
     // that did not go through, not a failed reload.
     if let Err(e) = c.dataplane().keep_only(&interfaces) {
-        warn!("leaving the interfaces the configuration no longer lists: {e:#}");
+        warnings.push(format!(
+            "leaving the interfaces the configuration no longer lists: {e:#}"
+        ));
     }
     if let Some((sender, keys)) = keys {
         sender.set_keys(keys);
     }
     c.set_api_keys(api_keys);
-    Ok(pools)
+    Ok(Reloaded { pools, warnings })
 }
 
 /// What a reload that changes `agent.KEY` is told, while the agent pins (`pinned`) or not.
@@ -255,17 +298,18 @@ fn restart_only(key: &str, pinned: bool) -> String {
     }
 }
 
-/// Puts back in `new` what only a restart changes, as `running` has it, with a warning: the
-/// running configuration then says what is in effect, and the next reload warns again.
-/// Refuses pools too short-lived for the `[sync]` that stays on, which the file, without
-/// the section, was not checked against.
-fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
+/// Puts back in `new` what only a restart changes, as `running` has it, and returns a
+/// warning for each: the running configuration then says what is in effect, and the next
+/// reload warns again. Refuses pools too short-lived for the `[sync]` that stays on, which
+/// the file, without the section, was not checked against.
+fn keep_restart_only(new: &mut Config, running: &Config) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
     let (next, now) = (&mut new.agent, &running.agent);
     let pinned = now.pin_dir.is_some();
     macro_rules! keep {
         ($key:ident) => {
             if next.$key != now.$key {
-                warn!("{}", restart_only(stringify!($key), pinned));
+                warnings.push(restart_only(stringify!($key), pinned));
                 next.$key = now.$key.clone();
             }
         };
@@ -278,14 +322,15 @@ fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
     match (&mut new.sync, &running.sync) {
         (Some(next), Some(now)) => {
             if !next.same_peering(now) {
-                warn!("sync.listen and sync.peers change only when the agent restarts");
+                warnings
+                    .push("sync.listen and sync.peers change only when the agent restarts".into());
                 next.listen = now.listen;
                 next.peers = now.peers.clone();
             }
         }
         (next, now) => {
             if *next != *now {
-                warn!("[sync] starts or stops only when the agent restarts");
+                warnings.push("[sync] starts or stops only when the agent restarts".into());
                 next.clone_from(now);
             }
         }
@@ -300,7 +345,7 @@ fn keep_restart_only(new: &mut Config, running: &Config) -> Result<()> {
             );
         }
     }
-    Ok(())
+    Ok(warnings)
 }
 
 /// Scrapes every server concurrently, once per interval, and hands the results over. The
@@ -459,11 +504,11 @@ fn bind_control_socket(path: &Path) -> Result<UnixListener> {
     Ok(listener)
 }
 
-async fn serve(listener: UnixListener, ctl: Shared) {
+async fn serve(listener: UnixListener, ctl: Shared, reloader: Arc<Reloader>) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                tokio::spawn(answer(stream, ctl.clone()));
+                tokio::spawn(answer(stream, ctl.clone(), reloader.clone()));
             }
             Err(e) => {
                 warn!("control socket: {e}");
@@ -517,13 +562,22 @@ async fn sweep_loop(ctl: Shared, flows_id: u32) {
 
 /// One request, one response; a client that sends nothing sensible gets an error, and a
 /// slow one is dropped.
-async fn answer(stream: UnixStream, ctl: Shared) {
+async fn answer(stream: UnixStream, ctl: Shared, reloader: Arc<Reloader>) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     // Requests are small; a bounded read keeps a misbehaving client from costing memory.
     let mut reader = BufReader::new(read).take(64 * 1024);
     let response = match timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
         Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
+            Ok(Request::Reload) => match reloader.reload() {
+                Ok(done) => Response::Reloaded {
+                    pools: done.pools,
+                    warnings: done.warnings,
+                },
+                Err(e) => Response::Error {
+                    message: format!("{RELOAD_FAILED}: {e:#}"),
+                },
+            },
             Ok(request) => {
                 // Bound to a name: the lock is released before a walk of the flow table.
                 let handled = lock(&ctl).handle(request);
@@ -586,7 +640,18 @@ mod tests {
             false,
             600,
         );
-        keep_restart_only(&mut new, &running).unwrap();
+        let warnings = keep_restart_only(&mut new, &running).unwrap();
+        let said = |key: &str| warnings.iter().any(|w| w.contains(key));
+        for key in [
+            "flow_table_entries",
+            "pin_dir",
+            "control_socket",
+            "metrics_listen",
+            "[sync]",
+        ] {
+            assert!(said(key), "no warning about {key}: {warnings:?}");
+        }
+        assert_eq!(warnings.len(), 5, "{warnings:?}");
         assert_eq!(new.agent.flow_table_entries, 100000);
         assert_eq!(new.agent.pin_dir, running.agent.pin_dir);
         assert_eq!(new.agent.control_socket, running.agent.control_socket);
@@ -598,6 +663,9 @@ mod tests {
         let mut new = config("", true, 600);
         keep_restart_only(&mut new, &config("", false, 600)).unwrap();
         assert_eq!(new.sync, None);
+        // Nothing to say when nothing of the kind changed.
+        let same = keep_restart_only(&mut running.clone(), &running).unwrap();
+        assert!(same.is_empty(), "{same:?}");
     }
 
     /// With pins, a restart alone would be refused (the pinned flow table keeps its size;
@@ -611,8 +679,8 @@ mod tests {
         assert!(!restart_only("xdp_mode", true).contains("detach"));
     }
 
-    /// A task that panics stops the agent; one that ends (the hellos) does not, nor does
-    /// having none left.
+    /// A task that panics stops the agent; one that ends does not, nor does having none
+    /// left.
     #[tokio::test]
     async fn a_panicking_task_is_noticed_and_an_ending_one_is_not() {
         async fn quiet(tasks: &mut JoinSet<()>) -> bool {

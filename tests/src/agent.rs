@@ -333,6 +333,18 @@ impl<'t> Agent<'t> {
         })
     }
 
+    /// Writes `text` as the config file and runs `balancer-agent reload`: whether it
+    /// succeeded, and what it printed (stdout, then stderr).
+    pub fn reload_cli(&mut self, text: &str) -> Result<(bool, String)> {
+        write_whole(&self.config, text)?;
+        let out = self
+            .cli_command(&["reload"])
+            .output()
+            .context("running balancer-agent reload")?;
+        let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        Ok((out.status.success(), said.into_owned()))
+    }
+
     /// Everything the agent has logged so far.
     pub fn log(&self) -> String {
         self.process.output()

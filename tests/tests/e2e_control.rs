@@ -1545,8 +1545,10 @@ fn shape(pool: &PoolView) -> Vec<(String, String, bool)> {
 }
 
 /// Scenario 6. A table of configurations, each with one key of a wrong type or value, sent
-/// with SIGHUP: each must be refused with a `reload failed` line naming that key, and leave
-/// the pool as it was, still balancing over all four. Then bad metrics from b1 (garbage,
+/// with SIGHUP or `balancer-agent reload` in turn: each must be refused with a `reload
+/// failed` line naming that key (in the log, or from the CLI, which fails), and leave the
+/// pool as it was, still balancing over all four. A reload of a key only a restart changes
+/// goes through with a warning that says so. Then bad metrics from b1 (garbage,
 /// NaN, a negative count, a 10 MB body): each must show as b1's `scrape_error` with a clear
 /// reason, and change nothing else: b1 keeps its last good reading, stays UP and weighted,
 /// the others are untouched.
@@ -1578,7 +1580,7 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
     let ports = bed.ports(200)?;
     let counts_before = bed.spread(ports)?;
     println!(
-        "{} bad configurations, each sent with SIGHUP (before: {:?}, 200 new connections {counts_before:?}):",
+        "{} bad configurations, sent with SIGHUP and `reload` in turn (before: {:?}, 200 new connections {counts_before:?}):",
         cases.len(),
         shape(&before)
             .iter()
@@ -1586,7 +1588,7 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
             .collect::<Vec<_>>()
     );
     let mut wrong = Vec::new();
-    for (table, key, value) in &cases {
+    for (k, (table, key, value)) in cases.iter().enumerate() {
         let mut bad = good.clone();
         let target = match *table {
             "agent" => bad.get_mut("agent"),
@@ -1602,7 +1604,14 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
             .with_context(|| format!("no [{table}] in the base config"))?;
         target.insert((*key).to_owned(), value.clone());
         let text = toml::to_string(&bad)?;
-        let line = bed.agent.reload_text(&text)?;
+        let (channel, line) = if k % 2 == 0 {
+            ("SIGHUP", bed.agent.reload_text(&text)?)
+        } else {
+            match bed.agent.reload_cli(&text)? {
+                (false, said) => ("reload", said),
+                (true, said) => ("reload", format!("the CLI succeeded: {said}")),
+            }
+        };
         let message = line
             .split_once("reload failed, keeping the running configuration: ")
             .map(|(_, message)| message);
@@ -1611,17 +1620,28 @@ fn bad_configs_and_bad_metrics(bed: &mut Bed) -> Result<()> {
             .and_then(|m| m.split('`').nth(1))
             .is_some_and(|k| k == *key || k.ends_with(&format!(".{key}")));
         println!(
-            "  {key} = {value}: {}",
-            message.unwrap_or(&format!("NOT REFUSED: {line}"))
+            "  {key} = {value} ({channel}): {}",
+            message
+                .unwrap_or(&format!("NOT REFUSED: {line}"))
+                .trim_end()
         );
         let after = bed.show()?;
         if message.is_none() || !named || shape(&after) != shape(&before) {
             wrong.push(format!(
-                "{key} = {value}: {line}\n  pool after: {:?}",
+                "{key} = {value} ({channel}): {line}\n  pool after: {:?}",
                 shape(&after)
             ));
         }
     }
+    let mut moved = bed.config.clone();
+    moved.agent.metrics_listen = Some(SocketAddr::new(METRICS_LISTEN.ip(), 9478));
+    let (ok, said) = bed.agent.reload_cli(&moved.to_toml()?)?;
+    println!("  a reload that moves metrics_listen: {}", said.trim_end());
+    let warned = "warning: agent.metrics_listen changes only when the agent restarts";
+    ensure!(
+        ok && said.contains(warned) && said.contains("reloaded: "),
+        "`reload` of a restart-only key: {said}"
+    );
     bed.agent.reload(&bed.config)?;
     refused_whole_when_an_interface_is_taken(bed)?;
     an_interface_created_again_gets_the_program_back(bed)?;
