@@ -20,6 +20,8 @@ pub enum Request {
     Show {
         pool: String,
     },
+    /// Every pool, in the file's order.
+    ShowAll,
     Drain {
         pool: String,
         server: String,
@@ -51,6 +53,9 @@ pub enum Request {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Response {
     Pool(PoolView),
+    Pools {
+        pools: Vec<PoolView>,
+    },
     Done {
         message: String,
     },

@@ -1194,13 +1194,17 @@ impl Controller {
             flow_table: self
                 .flow_entries
                 .map(|n| (n, self.config.agent.flow_table_entries)),
-            pools: self
-                .config
-                .pool
-                .iter()
-                .filter_map(|p| self.show(&p.name).ok())
-                .collect(),
+            pools: self.show_all(),
         }
+    }
+
+    /// Every pool as `show` tells it, in the file's order.
+    fn show_all(&self) -> Vec<PoolView> {
+        self.config
+            .pool
+            .iter()
+            .filter_map(|p| self.show(&p.name).ok())
+            .collect()
     }
 
     /// Answers one control-socket request, or says what to ask the flow table for it.
@@ -1208,6 +1212,9 @@ impl Controller {
         use crate::control::Request::*;
         let result = match request {
             Show { pool } => self.show(&pool).map(Response::Pool),
+            ShowAll => Ok(Response::Pools {
+                pools: self.show_all(),
+            }),
             Drain { pool, server } => self
                 .drain(&pool, &server, true)
                 .map(|message| Response::Done { message }),

@@ -54,10 +54,10 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
-    /// Show a pool: `show pool POOL` (or `show inference pool POOL`).
+    /// Show a pool: `show pool POOL` (or `show inference pool POOL`); every pool: `show`.
     Show {
-        /// `pool POOL` or `inference pool POOL`.
-        #[arg(num_args = 2..=3, value_names = ["pool", "POOL"])]
+        /// `pool POOL` or `inference pool POOL`; nothing (or `pools`) for every pool.
+        #[arg(num_args = 0..=3, value_names = ["pool", "POOL"])]
         what: Vec<String>,
         /// Machine-readable output.
         #[arg(long)]
@@ -257,15 +257,25 @@ fn execute(command: Command) -> Result<()> {
         }
         Command::Show { what, json, socket } => {
             let words: Vec<&str> = what.iter().map(String::as_str).collect();
-            let pool = match words[..] {
-                ["pool", pool] | ["inference", "pool", pool] => pool.to_owned(),
-                _ => bail!("usage: show pool POOL (or show inference pool POOL)"),
+            let request = match words[..] {
+                [] | ["pools"] => Request::ShowAll,
+                ["pool", pool] | ["inference", "pool", pool] => Request::Show { pool: pool.into() },
+                _ => bail!(
+                    "usage: show pool POOL (or show inference pool POOL), or show for every pool"
+                ),
             };
-            match ask(&socket, &Request::Show { pool })? {
+            match ask(&socket, &request)? {
                 Response::Pool(view) if json => {
                     println!("{}", serde_json::to_string_pretty(&view)?)
                 }
                 Response::Pool(view) => print!("{}", render(&view)),
+                Response::Pools { pools } if json => {
+                    println!("{}", serde_json::to_string_pretty(&pools)?)
+                }
+                Response::Pools { pools } => {
+                    let tables: Vec<String> = pools.iter().map(render).collect();
+                    print!("{}", tables.join("\n"));
+                }
                 other => bail!("unexpected answer: {other:?}"),
             }
             Ok(())

@@ -14,7 +14,7 @@
 //! key out, by reloads on the first and the restart of the second: each accepts the other's
 //! datagrams at every step. A datagram from an address that is not a peer changes nothing
 //! and is counted. `peers` tells each gateway's view of the other: up while it runs (with
-//! the events it sent, and a restart), silent once it is gone.
+//! the events it sent, and a restart), silent once it is gone; `show` alone, both pools.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
@@ -23,7 +23,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use balancer_agent::control::PeerRow;
+use balancer_agent::control::{PeerRow, PoolView};
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::sim::client::{self, read_on, Stream};
@@ -313,6 +313,18 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         "the second gateway must see the first one gone: {gone:?}"
     );
     println!("{}", second.cli(&["peers"])?);
+    // Both pools at once, as an operator of several sees them.
+    let text = second.cli(&["show", "--json"])?;
+    let pools: Vec<PoolView> = serde_json::from_str(&text).context("show --json")?;
+    let names: Vec<&str> = pools.iter().map(|p| p.pool.as_str()).collect();
+    ensure!(names == POOLS.map(|p| p.0), "show of every pool: {names:?}");
+    let table = second.cli(&["show"])?;
+    ensure!(
+        POOLS
+            .iter()
+            .all(|(pool, _)| table.contains(&format!("pool {pool} "))),
+        "show of every pool printed:\n{table}"
+    );
     second.stop()?;
     Ok(())
 }
