@@ -1099,4 +1099,100 @@ metrics_port = 8001
         assert!(parse("[agent\ninterfaces=").is_err());
         assert!(parse("").unwrap_err().contains("agent"));
     }
+
+    /// Keys of each table of [`GOOD`], by the line they are inserted after.
+    const KEYS: [(&str, &[&str]); 3] = [
+        (
+            "[agent]",
+            &[
+                "interfaces",
+                "flow_table_entries",
+                "scrape_interval_ms",
+                "scrape_timeout_ms",
+                "health_interval_ms",
+                "health_timeout_ms",
+                "hung_after_ms",
+                "fall",
+                "rise",
+                "metrics_listen",
+                "pin_dir",
+                "xdp_mode",
+            ],
+        ),
+        (
+            "port = 8000\n\n[[pool.server]]",
+            &[
+                "vip",
+                "forwarding",
+                "idle_timeout_s",
+                "spill_waiting",
+                "spill_ttft_ms",
+                "kv_high",
+                "dialect",
+                "model",
+                "hint_ports",
+                "hint_buckets",
+                "slots",
+                "home_load_bound",
+            ],
+        ),
+        ("weight = 100", &["address", "metrics_port", "dialect"]),
+    ];
+
+    const VALUES: [&str; 24] = [
+        "-1",
+        "0",
+        "1",
+        "65535",
+        "65536",
+        "4294967296",
+        "9223372036854775807",
+        "nan",
+        "inf",
+        "-0.0",
+        "1.5",
+        "1e-300",
+        "\"\"",
+        "\"x\"",
+        "\"off\"",
+        "\"1024-1100\"",
+        "\"0-65535\"",
+        "\"192.0.2.60\"",
+        "\"[::1]:9477\"",
+        "\"/sys/fs/bpf/x\"",
+        "true",
+        "[]",
+        "[\"eth0\", \"eth0\"]",
+        "{}",
+    ];
+
+    proptest::proptest! {
+        /// Any value for any key: a configuration that holds together, or one error that
+        /// names the file, never a panic.
+        #[test]
+        fn any_value_for_any_key_loads_sanely_or_is_refused(
+            picks in proptest::collection::vec((0..3usize, 0..12usize, 0..24usize), 1..4),
+        ) {
+            let mut text = GOOD.to_owned();
+            for (table, key, value) in picks {
+                let (after, keys) = KEYS[table];
+                let line = format!("{}\n{} = {}", after, keys[key % keys.len()], VALUES[value]);
+                text = text.replacen(after, &line, 1);
+            }
+            match parse(&text) {
+                Ok(c) => {
+                    proptest::prop_assert!(c.agent.scrape_timeout_ms() <= c.agent.scrape_interval_ms);
+                    for p in &c.pool {
+                        proptest::prop_assert!(p.kv_high > 0.0 && p.kv_high <= 1.0, "{}", p.kv_high);
+                        proptest::prop_assert!(p.home_load_bound.is_finite(), "{}", p.home_load_bound);
+                        proptest::prop_assert!(!p.server.is_empty());
+                    }
+                }
+                Err(e) => {
+                    proptest::prop_assert!(e.starts_with("balancer.toml"), "{e}");
+                    proptest::prop_assert!(!e.contains('\n'), "{e}");
+                }
+            }
+        }
+    }
 }

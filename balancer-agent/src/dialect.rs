@@ -1970,4 +1970,94 @@ process_cpu_seconds_total 12.5
             assert_eq!(labels_for_parser(not_labels), None, "{not_labels}");
         }
     }
+
+    /// One change to an exposition: what a broken, truncated or hostile server might send.
+    #[derive(Debug, Clone)]
+    enum Edit {
+        /// The value of line `at` (modulo the lines) replaced.
+        Value(usize, &'static str),
+        Drop(usize),
+        Repeat(usize),
+        /// Line `at` cut after `keep` characters.
+        Cut(usize, usize),
+        /// A line inserted before line `at`.
+        Insert(usize, String),
+    }
+
+    const ODD_VALUES: [&str; 12] = [
+        "NaN", "+Inf", "-Inf", "-1", "1e308", "0x10", "", "1.5e", "2", "0", "-0", "1e-320",
+    ];
+
+    fn edit() -> impl proptest::strategy::Strategy<Value = Edit> {
+        use proptest::prelude::*;
+        let at = 0..200usize;
+        prop_oneof![
+            (at.clone(), proptest::sample::select(&ODD_VALUES[..]))
+                .prop_map(|(at, v)| Edit::Value(at, v)),
+            at.clone().prop_map(Edit::Drop),
+            at.clone().prop_map(Edit::Repeat),
+            (at.clone(), 0..80usize).prop_map(|(at, keep)| Edit::Cut(at, keep)),
+            (at, "[# a-z_:{}=\"0-9.\\ ]{0,40}").prop_map(|(at, l)| Edit::Insert(at, l)),
+        ]
+    }
+
+    fn apply(body: &str, edits: &[Edit]) -> String {
+        let mut lines: Vec<String> = body.lines().map(String::from).collect();
+        for e in edits {
+            if lines.is_empty() {
+                break;
+            }
+            let n = lines.len();
+            match e {
+                Edit::Value(at, v) => {
+                    let l = &mut lines[at % n];
+                    if let Some(space) = l.rfind(' ') {
+                        l.truncate(space + 1);
+                        l.push_str(v);
+                    }
+                }
+                Edit::Drop(at) => {
+                    lines.remove(at % n);
+                }
+                Edit::Repeat(at) => lines.insert(at % n, lines[at % n].clone()),
+                Edit::Cut(at, keep) => {
+                    let l = &mut lines[at % n];
+                    let cut: String = l.chars().take(*keep).collect();
+                    *l = cut;
+                }
+                Edit::Insert(at, line) => lines.insert(at % n, line.clone()),
+            }
+        }
+        lines.iter().map(|l| format!("{l}\n")).collect()
+    }
+
+    proptest::proptest! {
+        /// Whatever a server sends, a reading is sane or there is none, and reading only the
+        /// lines of the metrics read gives what reading every line gives wherever the whole
+        /// exposition reads at all.
+        #[test]
+        fn broken_expositions_read_sanely_or_not_at_all(
+            fixture in 0..7usize,
+            edits in proptest::collection::vec(edit(), 0..6),
+        ) {
+            let fixtures = [VLLM_TWO_ENGINES, VLLM_V0, SGLANG, TGI, LLAMACPP, TRTLLM, PLAIN];
+            let body = apply(fixtures[fixture], &edits);
+            let filtered = parse_lines(&body, None, true);
+            if let Ok(r) = &filtered {
+                let sane = |v: f64| v.is_finite() && v >= 0.0;
+                proptest::prop_assert!(sane(r.running) && sane(r.waiting), "{r:?}");
+                proptest::prop_assert!(r.kv_usage.is_none_or(|k| (0.0..=1.0).contains(&k)), "{r:?}");
+                proptest::prop_assert!(r.progress.is_none_or(sane), "{r:?}");
+                for t in r.ttft.iter().flat_map(|t| t.0.values()) {
+                    proptest::prop_assert!(sane(t.sum_s) && sane(t.count), "{r:?}");
+                }
+            }
+            let whole = parse_lines(&body, None, false);
+            if whole.is_ok() {
+                // As text: a value left out for being NaN is not equal to itself.
+                let (filtered, whole) = (format!("{filtered:?}"), format!("{whole:?}"));
+                proptest::prop_assert_eq!(filtered, whole, "{}", body);
+            }
+        }
+    }
 }

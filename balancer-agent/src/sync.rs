@@ -1073,4 +1073,37 @@ mod tests {
         e.key.family = 0;
         assert_eq!(Event::from_ring(&bytes(&e)), None);
     }
+
+    proptest::proptest! {
+        /// Any datagram a peer's key signs, however malformed its body, is refused or opens
+        /// to a batch within the limits; any bytes in the ring are an event or nothing; and a
+        /// batch sealed with a key opens as it was sealed (to the last bit flipped, refused).
+        #[test]
+        fn any_datagram_opens_within_limits_or_is_refused(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..1200),
+            ring in proptest::collection::vec(proptest::num::u8::ANY, 0..128),
+            events in 0..=MAX_EVENTS,
+            flip in proptest::num::usize::ANY,
+            sent_ms in 0..u64::MAX / 2,
+        ) {
+            let signed = {
+                let mut mac = key(1).mac();
+                mac.update(&body);
+                let mut d = body.clone();
+                d.extend_from_slice(&mac.finalize().into_bytes());
+                d
+            };
+            if let Ok(b) = open(&key(1), &signed, sent_ms) {
+                proptest::prop_assert!(b.events.len() <= MAX_EVENTS);
+                proptest::prop_assert!(b.sent_ms.abs_diff(sent_ms) <= MAX_AGE.as_millis() as u64);
+            }
+            let _ = Event::from_ring(&ring);
+            let sealed = batch(sent_ms, sent_ms, events);
+            let mut datagram = seal(&key(1), &sealed);
+            proptest::prop_assert_eq!(open(&key(1), &datagram, sent_ms), Ok(sealed));
+            let bit = flip % (datagram.len() * 8);
+            datagram[bit / 8] ^= 1 << (bit % 8);
+            proptest::prop_assert!(open(&key(1), &datagram, sent_ms).is_err());
+        }
+    }
 }
