@@ -154,14 +154,35 @@ pub struct BucketRow {
     pub warm: Vec<String>,
 }
 
+/// How a peer is heard; each agent sends each of its peers a datagram a second
+/// (`sync::HEARTBEAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PeerState {
+    /// A datagram of its was accepted within `sync::SILENT_AFTER` (3.5 s).
+    Up,
+    /// Only refused ones came from its address lately: another key, or a clock far off.
+    Refused,
+    /// Nothing for longer, or never.
+    Silent,
+}
+
+impl PeerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerState::Up => "up",
+            PeerState::Refused => "refused",
+            PeerState::Silent => "silent",
+        }
+    }
+}
+
 /// A gateway this one shares flows with, as this one hears it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerRow {
     /// Its address as `sync.peers` gives it.
     pub peer: String,
-    /// `up` (a datagram of its accepted within the last 3 s: it sends one every second),
-    /// `refused` (only refused ones lately: another key, or a clock far off), `silent`.
-    pub state: String,
+    pub state: PeerState,
     /// Since its last accepted datagram; none: never.
     pub heard_ms_ago: Option<u64>,
     /// Flow events received from it.
@@ -216,7 +237,8 @@ impl DrainStatus {
 }
 
 /// A drain status waits for a walk of the flow table (about 45 s for the largest), or for
-/// the one already running; anything else is answered at once.
+/// the one already running; anything else is answered within moments (a reload that
+/// attaches to interfaces takes the longest).
 pub fn answer_wait(request: &Request) -> Duration {
     match request {
         Request::DrainStatus { .. } => Duration::from_secs(180),
@@ -353,7 +375,7 @@ pub fn render_peers(peers: &[PeerRow]) -> String {
     for p in peers {
         rows.push([
             p.peer.clone(),
-            p.state.clone(),
+            p.state.as_str().to_owned(),
             p.heard_ms_ago.map_or("never".into(), |ms| {
                 format!("{:.1} s ago", ms as f64 / 1000.0)
             }),
@@ -392,6 +414,44 @@ fn columns<const N: usize>(rows: &[[String; N]]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// As docs/operations.md shows it.
+    #[test]
+    fn peers_render_as_the_docs_show() {
+        let row = |peer: &str, state, heard, events_in, refused, restarts, problem: &str| PeerRow {
+            peer: peer.into(),
+            state,
+            heard_ms_ago: heard,
+            events_in,
+            refused,
+            send_errors: 0,
+            restarts,
+            problem: (!problem.is_empty()).then(|| problem.into()),
+        };
+        let peers = [
+            row("10.4.0.2:7471", PeerState::Up, Some(300), 1204, 0, 1, ""),
+            row(
+                "10.4.0.3:7471",
+                PeerState::Refused,
+                None,
+                0,
+                37,
+                0,
+                "its datagrams are refused: its tag does not match: another key, or altered",
+            ),
+        ];
+        // The example sits in a list item, indented two spaces.
+        let docs: Vec<&str> = include_str!("../../docs/operations.md")
+            .lines()
+            .map(|l| l.strip_prefix("  ").unwrap_or(l))
+            .collect();
+        let docs = docs.join("\n");
+        let shown = render_peers(&peers);
+        assert!(
+            docs.contains(&format!("$ balancer-agent peers\n{shown}")),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn an_agent_that_does_not_answer_in_time_is_said_so() {

@@ -18,7 +18,7 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Semaphore, time::timeout};
 use tracing::{debug, warn};
 
-use crate::control::{PeerRow, PoolView};
+use crate::control::{PeerRow, PeerState, PoolView};
 
 /// The OpenMetrics text format, which `render` writes and Prometheus reads.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -335,12 +335,16 @@ impl Snapshot {
                 (labels, p)
             })
         };
+        let up = format!(
+            "1 while a datagram of the peer was accepted within the last {} s (each gateway \
+             sends every peer one a second).",
+            crate::sync::SILENT_AFTER.as_secs_f64()
+        );
         gauges(
             enc,
             "sync_peer_up",
-            "1 while a datagram of the peer was accepted within the last 3 s (each gateway \
-             sends every peer one a second).",
-            peers().map(|(l, p)| (l, flag(p.state == "up"))),
+            &up,
+            peers().map(|(l, p)| (l, flag(p.state == PeerState::Up))),
         )?;
         gauges(
             enc,
@@ -506,7 +510,7 @@ mod tests {
             peers: vec![
                 PeerRow {
                     peer: "10.0.2.2:7471".into(),
-                    state: "up".into(),
+                    state: PeerState::Up,
                     heard_ms_ago: Some(400),
                     events_in: 12,
                     refused: 1,
@@ -516,7 +520,7 @@ mod tests {
                 },
                 PeerRow {
                     peer: "10.0.2.3:7471".into(),
-                    state: "silent".into(),
+                    state: PeerState::Silent,
                     heard_ms_ago: None,
                     events_in: 0,
                     refused: 0,

@@ -25,8 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Load the XDP program, attach it, fill its maps, and keep them current. SIGHUP reloads
-    /// the configuration; SIGINT or SIGTERM detach and exit (with `agent.pin_dir`, leave the
+    /// Load the XDP program, attach it, fill its maps, and keep them current. `reload` (or
+    /// SIGHUP) reloads the configuration; SIGINT or SIGTERM detach and exit (with `agent.pin_dir`, leave the
     /// program attached and pinned for the next agent, which takes it over).
     Run {
         /// The configuration file (TOML; every key in docs/configuration.md).
@@ -176,9 +176,22 @@ fn ask(socket: &Path, request: &Request) -> Result<Response> {
 
 fn ask_within(socket: &Path, request: &Request, wait: Duration) -> Result<Response> {
     match call(socket, request, wait)? {
-        Response::Error { message } => bail!("{message}"),
+        Response::Error { message } => Err(refusal(message)),
         r => Ok(r),
     }
+}
+
+/// The agent's error answer as the CLI says it.
+fn refusal(message: String) -> anyhow::Error {
+    // The request itself not understood: an agent from before the command (the CLI was
+    // upgraded, the agent not restarted). Not a refused file that names an unknown variant.
+    if message.starts_with("bad request: unknown variant") {
+        return anyhow::anyhow!(
+            "the running agent is older than this command: restart it with this version \
+             (with agent.pin_dir, no connection breaks) ({message})"
+        );
+    }
+    anyhow::anyhow!(message)
 }
 
 fn execute(command: Command) -> Result<()> {
@@ -487,6 +500,22 @@ fn pools(c: &Config) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An agent that does not know the command is said to be older; a file it refuses for
+    /// an unknown variant is not.
+    #[test]
+    fn an_older_agent_is_told_from_a_refused_file() {
+        let older = refusal(
+            "bad request: unknown variant `peers`, expected one of `show`, `drain` at line 1"
+                .into(),
+        );
+        assert!(older
+            .to_string()
+            .starts_with("the running agent is older than this command"));
+        let refused = "reload failed, keeping the running configuration: a.toml: `dialect`: \
+                       unknown variant `openai`, expected one of `vllm`";
+        assert_eq!(refusal(refused.into()).to_string(), refused);
+    }
 
     /// An IPv6 address is bracketed before its port, or `2001:db8::60:8000` reads as an
     /// address without one.

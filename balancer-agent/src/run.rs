@@ -5,6 +5,8 @@
 //! agent).
 
 use std::{
+    collections::HashMap,
+    future::Future,
     os::unix::fs::{FileTypeExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard},
@@ -17,7 +19,8 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{TcpListener, UdpSocket, UnixListener, UnixStream},
     signal::unix::{signal, SignalKind},
-    task::{spawn_blocking, JoinError, JoinSet},
+    sync::{mpsc, oneshot},
+    task::{self, spawn_blocking, JoinSet},
     time::{sleep, timeout, Instant},
 };
 use tracing::{debug, error, info, warn};
@@ -36,6 +39,8 @@ use crate::{
 };
 
 type Shared = Arc<Mutex<Controller>>;
+/// Where the control socket hands a `reload` to the main loop, with where its answer goes.
+type Reloads = mpsc::Sender<oneshot::Sender<Response>>;
 
 fn lock(c: &Shared) -> MutexGuard<'_, Controller> {
     // A panic while holding the lock leaves consistent state behind: every update is a
@@ -113,14 +118,14 @@ pub async fn run(config_path: &Path) -> Result<()> {
     );
 
     let flows_id = lock(&ctl).dataplane().flows_id();
-    let mut tasks = JoinSet::new();
-    tasks.spawn(sweep_loop(ctl.clone(), flows_id));
-    tasks.spawn(scrape_loop(ctl.clone()));
-    tasks.spawn(fold_loop(ctl.clone()));
-    tasks.spawn(relink_loop(ctl.clone()));
-    tasks.spawn(health_loop(ctl.clone(), routes));
+    let mut tasks = Tasks::default();
+    tasks.spawn("sweeps", sweep_loop(ctl.clone(), flows_id));
+    tasks.spawn("scrapes", scrape_loop(ctl.clone()));
+    tasks.spawn("folds", fold_loop(ctl.clone()));
+    tasks.spawn("relinks", relink_loop(ctl.clone()));
+    tasks.spawn("health checks", health_loop(ctl.clone(), routes));
     if let Some(listener) = metrics {
-        tasks.spawn(export(listener, ctl.clone()));
+        tasks.spawn("metrics endpoint", export(listener, ctl.clone()));
     }
     let mut sharing_with = None;
     if let Some((socket, keys, peers)) = sharing {
@@ -134,54 +139,88 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let sender = Arc::new(sync::Sender::new(socket, peers.clone(), keys, stats));
         sharing_with = Some(sender.clone());
         if let Some(ring) = ring {
-            tasks.spawn(sync::send_loop(ring, sender.clone()));
+            tasks.spawn("sync sends", sync::send_loop(ring, sender.clone()));
         }
         let c = ctl.clone();
         let apply = move |events: &[sync::Event]| lock(&c).adopt_flows(events);
-        tasks.spawn(sync::receive_loop(sender.clone(), flows_id, apply));
-        tasks.spawn(sync::heartbeat_loop(sender));
+        let receive = sync::receive_loop(sender.clone(), flows_id, apply);
+        tasks.spawn("sync receives", receive);
+        tasks.spawn("sync heartbeats", sync::heartbeat_loop(sender));
         info!(peers = ?peers, "sharing flows with the other gateways");
     } else if let Some(ring) = lock(&ctl).dataplane().take_flow_events() {
-        tasks.spawn(sync::discard_loop(ring));
+        tasks.spawn("flow report discards", sync::discard_loop(ring));
     }
-    let reloader = Arc::new(Reloader {
+    let reloader = Reloader {
         path: config_path.to_owned(),
         ctl: ctl.clone(),
         sender: sharing_with,
-    });
-    tasks.spawn(serve(listener, ctl.clone(), reloader.clone()));
+    };
+    // `reload` over the control socket is done here, as SIGHUP is: never two at once, and a
+    // panic in one stops the agent as a task's does.
+    let (reloads, mut asked) = mpsc::channel::<oneshot::Sender<Response>>(4);
+    tasks.spawn("control socket", serve(listener, ctl.clone(), reloads));
     let failed = loop {
         tokio::select! {
-            _ = hup.recv() => {
+            _ = hup.recv() => match reloader.reload_caught() {
                 // Logged either way; nobody waits for the answer.
-                let _ = reloader.reload();
-            }
+                Ok(_) => {}
+                Err(panic) => break Some(panic),
+            },
+            Some(answer) = asked.recv() => match reloader.reload_caught() {
+                Ok(outcome) => {
+                    let _ = answer.send(match outcome {
+                        Ok(done) => Response::Reloaded {
+                            pools: done.pools,
+                            warnings: done.warnings,
+                        },
+                        Err(e) => Response::Error {
+                            message: format!("{RELOAD_FAILED}: {e:#}"),
+                        },
+                    });
+                }
+                Err(panic) => break Some(panic),
+            },
             _ = int.recv() => break None,
             _ = term.recv() => break None,
-            panic = first_panic(&mut tasks) => break Some(panic),
+            ended = tasks.first_to_end() => break Some(ended),
         }
     };
-    tasks.abort_all();
+    tasks.set.abort_all();
     std::fs::remove_file(&socket_path).ok();
     lock(&ctl).dataplane().stop()?;
-    if let Some(panic) = failed {
+    if let Some(failure) = failed {
         // Ended, not carried on without it: frozen states or weights would go unnoticed,
         // and a supervisor restarts an agent that exits (with `pin_dir`, breaking nothing).
-        bail!("one of the agent's tasks failed ({panic}); the agent stopped");
+        bail!("{failure}; the agent stopped");
     }
     info!("stopped");
     Ok(())
 }
 
-/// The first task of `tasks` to panic (its message went to the log as it did). A task that
-/// ends is let go; with none left, never.
-async fn first_panic(tasks: &mut JoinSet<()>) -> JoinError {
-    loop {
-        match tasks.join_next().await {
-            Some(Err(e)) if e.is_panic() => return e,
-            Some(_) => {}
+/// The agent's loops, by name. Each runs as long as the agent does.
+#[derive(Default)]
+struct Tasks {
+    set: JoinSet<()>,
+    names: HashMap<task::Id, &'static str>,
+}
+
+impl Tasks {
+    fn spawn(&mut self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
+        let id = self.set.spawn(task).id();
+        self.names.insert(id, name);
+    }
+
+    /// What went wrong with the first task to end: any that ends, returning or panicking
+    /// (its message went to the log as it did), has stopped doing its part. With none,
+    /// never.
+    async fn first_to_end(&mut self) -> String {
+        let (id, how) = match self.set.join_next_with_id().await {
+            Some(Ok((id, ()))) => (id, "ended".to_owned()),
+            Some(Err(e)) => (e.id(), format!("failed ({e})")),
             None => std::future::pending().await,
-        }
+        };
+        let name = self.names.get(&id).copied().unwrap_or("one");
+        format!("the agent's {name} task {how}")
     }
 }
 
@@ -195,8 +234,8 @@ pub fn require_interfaces(config: &Config) -> Result<()> {
 }
 
 /// What a reload reads and changes: the file the agent started with, the controller, and
-/// with `[sync]` the sender whose keys it replaces. SIGHUP and `reload` both go through it;
-/// the runtime has one thread and a reload does not yield, so two never interleave.
+/// with `[sync]` the sender whose keys it replaces. SIGHUP and `reload` both go through it,
+/// in the agent's main loop.
 struct Reloader {
     path: PathBuf,
     ctl: Shared,
@@ -210,6 +249,12 @@ struct Reloaded {
 }
 
 impl Reloader {
+    /// [`Reloader::reload`], or what panicked in it.
+    fn reload_caught(&self) -> Result<Result<Reloaded>, String> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.reload()))
+            .map_err(|_| "a reload panicked".to_owned())
+    }
+
     /// Reloads, and logs how it went.
     fn reload(&self) -> Result<Reloaded> {
         let outcome = reload(&self.path, &self.ctl, self.sender.as_deref());
@@ -504,11 +549,13 @@ fn bind_control_socket(path: &Path) -> Result<UnixListener> {
     Ok(listener)
 }
 
-async fn serve(listener: UnixListener, ctl: Shared, reloader: Arc<Reloader>) {
+/// Answers the control socket's clients; a `reload` is handed to the main loop (`reloads`,
+/// with where its answer goes).
+async fn serve(listener: UnixListener, ctl: Shared, reloads: Reloads) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                tokio::spawn(answer(stream, ctl.clone(), reloader.clone()));
+                tokio::spawn(answer(stream, ctl.clone(), reloads.clone()));
             }
             Err(e) => {
                 warn!("control socket: {e}");
@@ -562,22 +609,23 @@ async fn sweep_loop(ctl: Shared, flows_id: u32) {
 
 /// One request, one response; a client that sends nothing sensible gets an error, and a
 /// slow one is dropped.
-async fn answer(stream: UnixStream, ctl: Shared, reloader: Arc<Reloader>) {
+async fn answer(stream: UnixStream, ctl: Shared, reloads: Reloads) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     // Requests are small; a bounded read keeps a misbehaving client from costing memory.
     let mut reader = BufReader::new(read).take(64 * 1024);
     let response = match timeout(Duration::from_secs(5), reader.read_line(&mut line)).await {
         Ok(Ok(_)) => match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Reload) => match reloader.reload() {
-                Ok(done) => Response::Reloaded {
-                    pools: done.pools,
-                    warnings: done.warnings,
-                },
-                Err(e) => Response::Error {
-                    message: format!("{RELOAD_FAILED}: {e:#}"),
-                },
-            },
+            Ok(Request::Reload) => {
+                let (tx, rx) = oneshot::channel();
+                let asked = reloads.send(tx).await.is_ok();
+                match rx.await {
+                    Ok(response) if asked => response,
+                    _ => Response::Error {
+                        message: "the agent is stopping: nothing was reloaded".into(),
+                    },
+                }
+            }
             Ok(request) => {
                 // Bound to a name: the lock is released before a walk of the flow table.
                 let handled = lock(&ctl).handle(request);
@@ -679,28 +727,34 @@ mod tests {
         assert!(!restart_only("xdp_mode", true).contains("detach"));
     }
 
-    /// A task that panics stops the agent; one that ends does not, nor does having none
-    /// left.
+    /// A task that panics or ends stops the agent, named; having none left does not.
     #[tokio::test]
-    async fn a_panicking_task_is_noticed_and_an_ending_one_is_not() {
-        async fn quiet(tasks: &mut JoinSet<()>) -> bool {
-            let wait = tokio::time::timeout(Duration::from_millis(200), first_panic(tasks));
-            wait.await.is_err()
-        }
-        let mut tasks = JoinSet::new();
-        tasks.spawn(async {});
-        tasks.spawn(std::future::pending());
-        assert!(
-            quiet(&mut tasks).await,
-            "a task that ended, or none, taken for a panic"
-        );
-        tasks.spawn(async { panic!("the fold loop fell over") });
-        let e = tokio::time::timeout(Duration::from_secs(5), first_panic(&mut tasks))
+    async fn a_task_that_panics_or_ends_is_noticed_by_name() {
+        let within = |d| Duration::from_millis(d);
+        let mut tasks = Tasks::default();
+        tasks.spawn("health checks", std::future::pending());
+        tasks.spawn("folds", async { panic!("the fold loop fell over") });
+        let said = tokio::time::timeout(within(5000), tasks.first_to_end())
             .await
             .expect("the panic went unnoticed");
-        assert!(e.is_panic());
-        let mut none = JoinSet::new();
-        assert!(quiet(&mut none).await);
+        assert!(
+            said.starts_with("the agent's folds task failed ("),
+            "{said}"
+        );
+        assert!(said.contains("panicked"), "{said}");
+        tasks.spawn("sync heartbeats", async {});
+        let said = tokio::time::timeout(within(5000), tasks.first_to_end())
+            .await
+            .expect("the end went unnoticed");
+        assert_eq!(said, "the agent's sync heartbeats task ended");
+        let running = tokio::time::timeout(within(200), tasks.first_to_end());
+        assert!(
+            running.await.is_err(),
+            "a task that runs on taken for ended"
+        );
+        let mut none = Tasks::default();
+        let idle = tokio::time::timeout(within(200), none.first_to_end());
+        assert!(idle.await.is_err(), "no task taken for one that ended");
     }
 
     /// A file without `[sync]` may have idle timeouts too short for the sharing that stays on.

@@ -24,7 +24,7 @@ use std::{
     os::unix::fs::PermissionsExt,
     path::Path,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex, PoisonError, RwLock,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -42,7 +42,10 @@ use sha2::Sha256;
 use tokio::net::UdpSocket;
 use tracing::{debug, info, warn};
 
-use crate::{config::FlowSync, control::PeerRow};
+use crate::{
+    config::FlowSync,
+    control::{PeerRow, PeerState},
+};
 
 /// The format of the datagrams; a receiver refuses any other.
 pub const VERSION: u8 = 1;
@@ -63,8 +66,9 @@ pub const MIN_KEY_BYTES: usize = 32;
 /// peer's datagrams then say, every second, that it runs and that its key and clock are
 /// right.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
-/// A peer is silent once nothing came from it for this long: three heartbeats in a row lost.
-pub const SILENT_AFTER: Duration = Duration::from_secs(3);
+/// A peer is silent once nothing came from it for this long: three heartbeats in a row lost,
+/// with half a second to spare for a late one (a busy agent's beat may be).
+pub const SILENT_AFTER: Duration = Duration::from_millis(3500);
 /// How often the agent drains the program's ring: the longest a new flow waits before its
 /// peers hear of it, at most a few hundred events each time at the gateway benchmark's rate.
 pub const DRAIN_INTERVAL: Duration = Duration::from_millis(10);
@@ -349,7 +353,7 @@ pub fn unix_ms() -> u64 {
 
 /// What sharing did since the agent started, for `counters`, `peers` and the metrics
 /// endpoint.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     /// Events this agent sent (each to every peer).
     pub sent: AtomicU64,
@@ -371,10 +375,15 @@ pub struct Stats {
 impl Stats {
     pub fn new(peers: &[SocketAddr]) -> Self {
         Stats {
+            sent: AtomicU64::new(0),
+            send_errors: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            unknown: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            backlog: AtomicU64::new(0),
             peers: PeerLog(Mutex::new(
                 peers.iter().map(|p| (*p, Heard::default())).collect(),
             )),
-            ..Stats::default()
         }
     }
 
@@ -394,10 +403,10 @@ impl Stats {
 }
 
 /// What this agent heard from each configured peer and could send it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PeerLog(Mutex<Vec<(SocketAddr, Heard)>>);
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct Heard {
     /// When the peer's last accepted datagram came, and the agent run that sent it.
     last: Option<(Instant, u64)>,
@@ -414,11 +423,10 @@ pub struct Heard {
 }
 
 impl PeerLog {
-    fn with(&self, peer: SocketAddr, f: impl FnOnce(&mut Heard)) {
+    fn with<R>(&self, peer: SocketAddr, f: impl FnOnce(&mut Heard) -> R) -> Option<R> {
         let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, heard)) = peers.iter_mut().find(|(p, _)| *p == peer) {
-            f(heard);
-        }
+        let (_, heard) = peers.iter_mut().find(|(p, _)| *p == peer)?;
+        Some(f(heard))
     }
 
     /// A datagram from `peer`'s run `run`, with `events`, accepted at `now`.
@@ -433,23 +441,29 @@ impl PeerLog {
         });
     }
 
-    /// A datagram from `peer`'s address refused at `now`.
-    pub fn refused(&self, peer: SocketAddr, why: &Refused, now: Instant) {
+    /// A datagram from `peer`'s address refused at `now`; whether it is the first since
+    /// one was accepted (a run of refusals is warned about once).
+    pub fn refused(&self, peer: SocketAddr, why: &Refused, now: Instant) -> bool {
         self.with(peer, |h| {
             h.refused += 1;
-            h.refusing = Some((now, why.to_string()));
-        });
+            h.refusing.replace((now, why.to_string())).is_none()
+        })
+        .unwrap_or(true)
     }
 
-    /// The outcome of a send to `peer`.
-    pub fn sent(&self, peer: SocketAddr, outcome: Result<(), &std::io::Error>) {
+    /// The outcome of a send to `peer`; whether it changes what sending to it does: a first
+    /// failure since one went, or a first success since one failed (a run of failures is
+    /// warned about once).
+    pub fn sent(&self, peer: SocketAddr, outcome: Result<(), &std::io::Error>) -> bool {
+        let failed = outcome.is_err();
         self.with(peer, |h| match outcome {
-            Ok(()) => h.unsendable = None,
+            Ok(()) => h.unsendable.take().is_some(),
             Err(e) => {
                 h.send_errors += 1;
-                h.unsendable = Some(e.to_string());
+                h.unsendable.replace(e.to_string()).is_none()
             }
-        });
+        })
+        .unwrap_or(failed)
     }
 
     /// Every configured peer as `peers` shows it, at `now`.
@@ -466,11 +480,11 @@ impl Heard {
         // Up while its datagrams come, whatever else arrives from its address (a forged or
         // replayed datagram is refused too).
         let state = if self.last.is_some_and(|(at, _)| recent(at)) {
-            "up"
+            PeerState::Up
         } else if self.refusing.as_ref().is_some_and(|(at, _)| recent(*at)) {
-            "refused"
+            PeerState::Refused
         } else {
-            "silent"
+            PeerState::Silent
         };
         let problem = match (&self.refusing, &self.unsendable) {
             (Some((_, why)), _) => Some(format!("its datagrams are refused: {why}")),
@@ -480,7 +494,7 @@ impl Heard {
         };
         PeerRow {
             peer: peer.to_string(),
-            state: state.to_owned(),
+            state,
             heard_ms_ago: ago.map(|a| a.as_millis() as u64),
             events_in: self.events,
             refused: self.refused,
@@ -501,8 +515,6 @@ pub struct Sender {
     keys: RwLock<Arc<Keys>>,
     pub stats: Arc<Stats>,
     seq: AtomicU64,
-    /// In a run of send failures, which is warned about once.
-    failing: AtomicBool,
 }
 
 impl Sender {
@@ -519,7 +531,6 @@ impl Sender {
             keys: RwLock::new(Arc::new(keys)),
             stats,
             seq: AtomicU64::new(0),
-            failing: AtomicBool::new(false),
         }
     }
 
@@ -558,16 +569,18 @@ impl Sender {
         let datagram = seal(&self.keys().seal, &batch);
         for peer in to {
             let sent = self.socket.send_to(&datagram, peer).await;
-            self.stats.peers.sent(*peer, sent.as_ref().map(|_| ()));
+            let news = self.stats.peers.sent(*peer, sent.as_ref().map(|_| ()));
             match sent {
                 Ok(_) => {
                     let n = events.len() as u64;
                     self.stats.sent.fetch_add(n, Ordering::Relaxed);
-                    self.failing.store(false, Ordering::Relaxed);
+                    if news {
+                        info!(%peer, "sending to a peer works again");
+                    }
                 }
                 Err(e) => {
                     self.stats.send_errors.fetch_add(1, Ordering::Relaxed);
-                    if !self.failing.swap(true, Ordering::Relaxed) {
+                    if news {
                         warn!(%peer, "sending flows to a peer failed: {e}");
                     }
                 }
@@ -689,8 +702,6 @@ pub async fn receive_loop(
     // One byte more than the longest we open, so that a longer datagram shows as one.
     let mut buf = vec![0u8; MAX_DATAGRAM_BYTES + 1];
     let mut replays = Replays::new(sender.id);
-    // Peers whose datagrams are refused since their last good one.
-    let mut refusing = std::collections::HashSet::new();
     // Per peer (its configured address: two peers may share a host): the run it last greeted
     // us from, and our dump of flows to it. A peer that restarts again gets a new dump and
     // the old one stops, so a peer in a crash loop costs one walk of the table at a time,
@@ -720,7 +731,6 @@ pub async fn receive_loop(
         let to = configured(&sender.peers, from);
         match opened {
             Ok(batch) => {
-                refusing.remove(&peer);
                 stats
                     .peers
                     .accepted(to, batch.sender, batch.events.len(), Instant::now());
@@ -742,8 +752,7 @@ pub async fn receive_loop(
                 // change), then quietly counted: a peer with another key or a clock far off
                 // says so without flooding the log.
                 stats.refused.fetch_add(1, Ordering::Relaxed);
-                stats.peers.refused(to, &why, Instant::now());
-                if refusing.insert(peer) {
+                if stats.peers.refused(to, &why, Instant::now()) {
                     warn!(%from, "refused a datagram from a peer: {why}");
                 }
             }
@@ -899,43 +908,53 @@ mod tests {
         let s = |secs: f64| t0 + Duration::from_secs_f64(secs);
         let row = |at: f64| log.rows(s(at)).remove(0);
         let never = row(0.0);
-        assert_eq!((never.state.as_str(), never.heard_ms_ago), ("silent", None));
+        assert_eq!((never.state, never.heard_ms_ago), (PeerState::Silent, None));
         assert_eq!(never.problem.as_deref(), Some("never heard from"));
 
         log.accepted(a, 7, 3, s(0.0));
         let up = row(1.0);
-        assert_eq!((up.state.as_str(), up.heard_ms_ago), ("up", Some(1000)));
+        assert_eq!((up.state, up.heard_ms_ago), (PeerState::Up, Some(1000)));
         assert_eq!((up.events_in, up.restarts, up.problem), (3, 0, None));
         // A forged datagram from its address: counted and said, the peer still up.
-        log.refused(a, &Refused::Tag, s(1.5));
+        assert!(
+            log.refused(a, &Refused::Tag, s(1.5)),
+            "the first refusal is news"
+        );
+        assert!(!log.refused(a, &Refused::Tag, s(1.6)), "the second is not");
         let forged = row(2.0);
-        assert_eq!((forged.state.as_str(), forged.refused), ("up", 1));
+        assert_eq!((forged.state, forged.refused), (PeerState::Up, 2));
         assert!(forged.problem.unwrap().contains("another key"));
         // Another run: its agent restarted. An accepted datagram clears the refusal.
         log.accepted(a, 8, 0, s(2.0));
         let restarted = row(2.5);
         assert_eq!((restarted.restarts, restarted.problem), (1, None));
-        assert_eq!(row(4.9).state, "up");
-        assert_eq!(row(5.0).state, "silent");
+        // Up for three lost heartbeats and a late one.
+        assert_eq!(row(5.4).state, PeerState::Up);
+        assert_eq!(row(5.5).state, PeerState::Silent);
         // Another key: only refused datagrams, then none.
-        log.refused(a, &Refused::Stale(40_000), s(6.0));
-        assert_eq!(row(7.0).state, "refused");
+        assert!(log.refused(a, &Refused::Stale(40_000), s(6.0)));
+        assert_eq!(row(7.0).state, PeerState::Refused);
         assert!(row(7.0).problem.unwrap().contains("clocks apart"));
-        assert_eq!(row(9.0).state, "silent");
+        assert_eq!(row(9.5).state, PeerState::Silent);
         // The other peer: what could not be sent, until something is.
         let unreachable = std::io::Error::from(std::io::ErrorKind::HostUnreachable);
-        log.sent(b, Err(&unreachable));
+        assert!(
+            !log.sent(b, Ok(())),
+            "a send that works as before is no news"
+        );
+        assert!(log.sent(b, Err(&unreachable)), "the first failure is news");
+        assert!(!log.sent(b, Err(&unreachable)), "the second is not");
         let other = log.rows(s(9.0)).remove(1);
         assert_eq!(
             (other.peer.as_str(), other.send_errors),
-            ("10.0.2.3:7471", 1)
+            ("10.0.2.3:7471", 2)
         );
         assert!(other.problem.unwrap().starts_with("sending to it fails"));
-        log.sent(b, Ok(()));
+        assert!(log.sent(b, Ok(())), "working again is news");
         let sent = log.rows(s(9.0)).remove(1);
         assert_eq!(
             (sent.send_errors, sent.problem.as_deref()),
-            (1, Some("never heard from"))
+            (2, Some("never heard from"))
         );
         // An address that is not a peer's changes nothing.
         log.accepted("10.0.2.9:7471".parse().unwrap(), 9, 5, s(9.0));
