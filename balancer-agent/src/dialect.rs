@@ -850,7 +850,10 @@ fn progress(d: Dialect, spec: &Spec, samples: &Samples) -> Result<Option<f64>, D
     for &name in spec.progress {
         let values = scalars(samples, name);
         if !values.is_empty() {
-            total = Some(total.unwrap_or(0.0) + sum(d, name, values)?);
+            let t = total.unwrap_or(0.0) + sum(d, name, values)?;
+            // Finite sums of two counters can add up to infinity too.
+            check(d, name, t)?;
+            total = Some(t);
         }
     }
     Ok(total)

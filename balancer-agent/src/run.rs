@@ -166,26 +166,39 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 Ok(_) => {}
                 Err(panic) => break Some(panic),
             },
-            Some(answer) = asked.recv() => match reloader.reload_caught() {
-                Ok(outcome) => {
-                    let _ = answer.send(match outcome {
-                        Ok(done) => Response::Reloaded {
+            Some(answer) = asked.recv() => {
+                let (response, panic) = match reloader.reload_caught() {
+                    Ok(Ok(done)) => (
+                        Response::Reloaded {
                             pools: done.pools,
                             warnings: done.warnings,
                         },
-                        Err(e) => Response::Error {
-                            message: format!("{RELOAD_FAILED}: {e:#}"),
-                        },
-                    });
+                        None,
+                    ),
+                    Ok(Err(e)) => (error(format!("{RELOAD_FAILED}: {e:#}")), None),
+                    Err(panic) => (
+                        error(format!("{panic}: the agent stops; what it had applied stays")),
+                        Some(panic),
+                    ),
+                };
+                let _ = answer.send(response);
+                if panic.is_some() {
+                    break panic;
                 }
-                Err(panic) => break Some(panic),
-            },
+            }
             _ = int.recv() => break None,
             _ = term.recv() => break None,
             ended = tasks.first_to_end() => break Some(ended),
         }
     };
     tasks.set.abort_all();
+    // Reloads asked meanwhile are not done; their clients are told so before the runtime
+    // goes, with a turn for the answers to be written.
+    asked.close();
+    while let Ok(answer) = asked.try_recv() {
+        let _ = answer.send(error("the agent is stopping: nothing was reloaded".into()));
+    }
+    tokio::task::yield_now().await;
     std::fs::remove_file(&socket_path).ok();
     lock(&ctl).dataplane().stop()?;
     if let Some(failure) = failed {
@@ -269,6 +282,11 @@ impl Reloader {
         }
         outcome
     }
+}
+
+/// An error answer.
+fn error(message: String) -> Response {
+    Response::Error { message }
 }
 
 /// How a refused reload is said, in the log and to `reload`.
@@ -601,6 +619,8 @@ async fn sweep_loop(ctl: Shared, flows_id: u32) {
                 warn!("sweeping the flow table failed, retrying: {e:#}");
             }
             Ok(Err(_)) => {}
+            // A panic is the agent's to stop on, as any task's (see `Tasks`).
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(e) => warn!("sweeping the flow table: {e}"),
         }
         tokio::time::sleep(sweep::pause(started.elapsed())).await;
@@ -621,9 +641,7 @@ async fn answer(stream: UnixStream, ctl: Shared, reloads: Reloads) {
                 let asked = reloads.send(tx).await.is_ok();
                 match rx.await {
                     Ok(response) if asked => response,
-                    _ => Response::Error {
-                        message: "the agent is stopping: nothing was reloaded".into(),
-                    },
+                    _ => error("the agent is stopping: nothing was reloaded".into()),
                 }
             }
             Ok(request) => {

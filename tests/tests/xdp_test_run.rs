@@ -421,21 +421,20 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
     })
 }
 
-/// What a generated case sends: a client's frame to one of a family's VIPs, or a backend's
-/// reply to a connection the case opens first; whole, or mangled as a broken or hostile
-/// sender might.
+/// What a generated case sends: a client's frame to one of a family's VIPs, a backend's
+/// reply to a connection the case opens first, or an ICMP error about that connection from
+/// a router on the client's side; whole, or mangled as a broken or hostile sender might.
 #[derive(Debug, Clone)]
 struct Case {
     v6: bool,
-    /// 0..=5: the VIP with a neighbour (redirected), the one on the client's link (sent
-    /// back out), the one without a neighbour (to the stack), the DSR one, the pool of four,
-    /// the one with no server to take connections (dropped); 6: a reply from the first
-    /// one's server.
+    /// Below `VIPS` a client's frame to that VIP (see `vips`); `VIPS` a reply from the
+    /// first one's server; `VIPS + 1` an ICMP error about that reply.
     target: usize,
     sport: u16,
     flags: &'static str,
     bulk: usize,
     ttl: u8,
+    vlan: Option<u16>,
     mangle: Mangle,
 }
 
@@ -449,6 +448,25 @@ enum Mangle {
     Set(Vec<(usize, u8)>),
 }
 
+/// Every kind of VIP of `n`: with a neighbour (redirected), on the client's link (sent back
+/// out), without a neighbour (to the stack), with no server to take connections (dropped),
+/// behind a router, the pool of four, and the DSR ones.
+fn vips(n: &Net) -> [IpAddr; VIPS] {
+    [
+        n.vip,
+        n.vip_tx,
+        n.vip_nn,
+        n.vip_empty,
+        n.vip_routed,
+        n.vip_multi,
+        n.vip_dsr,
+        n.vip_dsr_tx,
+        n.vip_dsr_routed,
+        n.vip_dsr_nn,
+    ]
+}
+const VIPS: usize = 10;
+
 /// TCP flags a case's frame carries.
 const FLAGS: [&str; 9] = ["S", "A", "PA", "FA", "RA", "R", "SA", "F", ""];
 
@@ -460,162 +478,209 @@ fn case() -> impl proptest::strategy::Strategy<Value = Case> {
         1 => proptest::collection::vec((0..100usize, any::<u8>()), 1..4).prop_map(Mangle::Set),
     ];
     (
-        any::<bool>(),
-        0..7usize,
-        1024..65535u16,
-        proptest::sample::select(&FLAGS[..]),
-        prop_oneof![Just(0usize), 0..1400usize],
-        prop_oneof![Just(64u8), 0..3u8],
+        (any::<bool>(), 0..VIPS + 2, 1024..65535u16),
+        (
+            proptest::sample::select(&FLAGS[..]),
+            prop_oneof![Just(0usize), 0..1400usize],
+            prop_oneof![Just(64u8), 0..3u8],
+            prop_oneof![3 => Just(None), 1 => (1..4095u16).prop_map(Some)],
+        ),
         mangle,
     )
-        .prop_map(|(v6, target, sport, flags, bulk, ttl, mangle)| Case {
-            v6,
-            target,
-            sport,
-            flags,
-            bulk,
-            ttl,
-            mangle,
-        })
+        .prop_map(
+            |((v6, target, sport), (flags, bulk, ttl, vlan), mangle)| Case {
+                v6,
+                target,
+                sport,
+                flags,
+                bulk,
+                ttl,
+                vlan,
+                mangle,
+            },
+        )
 }
 
-/// Whether the TCP segment in `frame` (Ethernet) carries valid checksums: its IPv4 header's,
-/// and its own over the pseudo header.
-fn checksums_valid(frame: &[u8]) -> Result<bool> {
+/// Whether the IP packet in `frame` (Ethernet, tagged or not) carries valid checksums: its
+/// IPv4 header's, and its TCP segment's or ICMP message's over what they cover. Its source
+/// address too.
+fn checksums_valid(frame: &[u8]) -> Result<(bool, IpAddr)> {
     use etherparse::{NetSlice, SlicedPacket, TransportSlice};
     let p = SlicedPacket::from_ethernet(frame).context("the output does not parse")?;
-    let Some(TransportSlice::Tcp(tcp)) = &p.transport else {
-        bail!("the output is not TCP")
-    };
-    Ok(match &p.net {
+    let (ip_valid, src, dst) = match &p.net {
         Some(NetSlice::Ipv4(ip)) => {
             let h = ip.header();
-            h.header_checksum() == h.to_header().calc_header_checksum()
-                && tcp.calc_checksum_ipv4(h.source(), h.destination())? == tcp.checksum()
+            let valid = h.header_checksum() == h.to_header().calc_header_checksum();
+            (
+                valid,
+                IpAddr::from(h.source_addr()),
+                IpAddr::from(h.destination_addr()),
+            )
         }
         Some(NetSlice::Ipv6(ip)) => {
             let h = ip.header();
-            tcp.calc_checksum_ipv6(h.source(), h.destination())? == tcp.checksum()
+            (
+                true,
+                IpAddr::from(h.source_addr()),
+                IpAddr::from(h.destination_addr()),
+            )
         }
         _ => bail!("the output is not IP"),
-    })
+    };
+    let l4_valid = match (&p.transport, src, dst) {
+        (Some(TransportSlice::Tcp(tcp)), IpAddr::V4(s), IpAddr::V4(d)) => {
+            tcp.calc_checksum_ipv4(s.octets(), d.octets())? == tcp.checksum()
+        }
+        (Some(TransportSlice::Tcp(tcp)), IpAddr::V6(s), IpAddr::V6(d)) => {
+            tcp.calc_checksum_ipv6(s.octets(), d.octets())? == tcp.checksum()
+        }
+        (Some(TransportSlice::Icmpv4(icmp)), ..) => {
+            icmp.icmp_type().calc_checksum(icmp.payload()) == icmp.checksum()
+        }
+        (Some(TransportSlice::Icmpv6(icmp)), IpAddr::V6(s), IpAddr::V6(d)) => {
+            icmp.is_checksum_valid(s.octets(), d.octets())
+        }
+        _ => bail!("the output is neither TCP nor ICMP"),
+    };
+    Ok((ip_valid && l4_valid, src))
 }
 
-/// Generated frames, whole or mangled (cut anywhere, header bytes set to anything), for
-/// every kind of VIP and for replies: the kernel's verdict is always one the program means
-/// (never XDP_ABORTED), a dropped frame leaves no flow entry behind, and a whole frame that
-/// goes out (to a server, or translated back to the client) carries valid IPv4 and TCP
-/// checksums and the addresses it must.
+/// Generated frames, whole or mangled (cut anywhere, header bytes set to anything), to every
+/// kind of VIP, tagged or not, and replies and ICMP errors about a connection: the kernel's
+/// verdict is always one the program means (never XDP_ABORTED), a dropped frame leaves no
+/// flow entry behind, and a whole frame that goes out (to a server, translated back to the
+/// client, or an ICMP error sent on) carries valid checksums and the source it must. Cases
+/// run one after another on one program and flow table: `XDP_CASES_SEED=N` runs the same
+/// ones again, in the same order.
 #[test]
 fn generated_frames_get_a_meant_verdict_and_valid_checksums() -> Result<()> {
+    use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+    use std::hash::BuildHasher;
+    let seed: u64 = match std::env::var("XDP_CASES_SEED") {
+        Ok(s) => s.parse().context("XDP_CASES_SEED")?,
+        Err(_) => std::collections::hash_map::RandomState::new().hash_one(0u8),
+    };
+    println!("cases drawn with XDP_CASES_SEED={seed}");
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
     in_topology(|| {
         let nets = [v4(), v6()];
         let (h, _) = Harness::load(&config(&nets))?;
         let h = std::cell::RefCell::new(h);
-        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        let config = Config {
             cases: 1500,
             failure_persistence: None,
-            ..Default::default()
-        });
+            ..Config::default()
+        };
+        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &bytes);
+        let mut runner = TestRunner::new_with_rng(config, rng);
         let verdicts = std::cell::RefCell::new([0u32; 5]);
+        let first_failure = std::cell::RefCell::new(None);
         let outcome = runner.run(&case(), |c| {
             let h = &mut *h.borrow_mut();
-            let n = &nets[usize::from(c.v6)];
-            let check = (|| -> Result<()> {
-                let vips = [
-                    n.vip,
-                    n.vip_tx,
-                    n.vip_nn,
-                    n.vip_dsr,
-                    n.vip_multi,
-                    n.vip_empty,
-                ];
-                let (ingress, frame, to) = if c.target < vips.len() {
-                    let f = client_syn(n, vips[c.target], c.sport);
-                    (h.g0, f, None)
-                } else {
-                    // The connection first, so that the reply has one to belong to.
-                    let syn = client_syn(n, n.vip, c.sport).bytes();
-                    let (v, _) = h.run(h.g0, &syn)?;
-                    ensure!(v == XDP_REDIRECT, "the reply's SYN: verdict {v}");
-                    let reply = Frame {
-                        smac: MAC_S0,
-                        dmac: MAC_G1,
-                        vlan: None,
-                        src: n.backend,
-                        dst: n.client,
-                        sport: 8000,
-                        dport: c.sport,
-                        ttl: 64,
-                        flags: "SA",
-                        bulk: 0,
-                    };
-                    (h.g1, reply, Some(n.vip))
-                };
-                let frame = frame.with(|f| {
-                    f.flags = c.flags;
-                    f.bulk = c.bulk;
-                    f.ttl = c.ttl;
-                });
-                let mut bytes = frame.bytes();
-                match &c.mangle {
-                    Mangle::Whole => {}
-                    Mangle::Cut(len) => bytes.truncate(*len),
-                    Mangle::Set(at) => {
-                        for &(i, b) in at {
-                            if let Some(byte) = bytes.get_mut(i) {
-                                *byte = b;
-                            }
-                        }
-                    }
-                }
-                let entries = |h: &mut Harness| h.dp.flow_table().keys().count();
-                let before = entries(h);
-                let (v, out) = h.run(ingress, &bytes)?;
-                ensure!(
-                    matches!(v, XDP_DROP | XDP_PASS | XDP_TX | XDP_REDIRECT),
-                    "verdict {v}"
-                );
-                verdicts.borrow_mut()[v as usize] += 1;
-                if v == XDP_DROP {
-                    ensure!(entries(h) <= before, "a dropped frame left a flow entry");
-                }
-                if matches!(c.mangle, Mangle::Whole) && matches!(v, XDP_TX | XDP_REDIRECT) {
-                    ensure!(checksums_valid(&out)?, "invalid checksums out: {out:02x?}");
-                    let p = etherparse::SlicedPacket::from_ethernet(&out)?;
-                    let src = match &p.net {
-                        Some(etherparse::NetSlice::Ipv4(ip)) => {
-                            IpAddr::from(ip.header().source_addr())
-                        }
-                        Some(etherparse::NetSlice::Ipv6(ip)) => {
-                            IpAddr::from(ip.header().source_addr())
-                        }
-                        _ => bail!("not IP out"),
-                    };
-                    if let Some(vip) = to {
-                        ensure!(src == vip, "a reply went out from {src}, not the VIP {vip}");
-                    } else {
-                        ensure!(src == n.client, "a client's frame went out from {src}");
-                    }
-                }
-                Ok(())
-            })();
-            check.map_err(|e| proptest::test_runner::TestCaseError::fail(format!("{e:#}")))
+            let result = one_case(h, &nets[usize::from(c.v6)], &c, &mut verdicts.borrow_mut());
+            if let Err(e) = &result {
+                first_failure
+                    .borrow_mut()
+                    .get_or_insert(format!("{c:?}: {e:#}"));
+            }
+            result.map_err(|e| TestCaseError::fail(format!("{e:#}")))
         });
         let seen = verdicts.into_inner();
-        println!(
-            "verdicts over the cases, by XDP action (aborted, drop, pass, tx, redirect): {seen:?}"
-        );
-        outcome.map_err(|e| anyhow::anyhow!("{e}"))?;
+        println!("verdicts, by XDP action (aborted, drop, pass, tx, redirect): {seen:?}");
+        if let Err(e) = outcome {
+            let first = first_failure.into_inner().unwrap_or_default();
+            bail!("{e}\nfirst failing case (before shrinking): {first}");
+        }
         ensure!(
-            seen[XDP_DROP as usize] > 0
-                && seen[XDP_PASS as usize] > 0
-                && seen[XDP_TX as usize] > 0
-                && seen[XDP_REDIRECT as usize] > 0,
+            seen[1..].iter().all(|&n| n > 0),
             "the cases did not reach every verdict: {seen:?}"
         );
         Ok(())
     })
+}
+
+/// Runs case `c` on `n`'s side, counting its verdict in `verdicts`.
+fn one_case(h: &mut Harness, n: &Net, c: &Case, verdicts: &mut [u32; 5]) -> Result<()> {
+    let open = |h: &mut Harness| -> Result<Frame> {
+        // The connection first, so that a reply or an error has one to belong to.
+        let (v, _) = h.run(h.g0, &client_syn(n, n.vip, c.sport).bytes())?;
+        ensure!(v == XDP_REDIRECT, "the connection's SYN: verdict {v}");
+        Ok(Frame {
+            smac: MAC_S0,
+            dmac: MAC_G1,
+            vlan: None,
+            src: n.backend,
+            dst: n.client,
+            sport: 8000,
+            dport: c.sport,
+            ttl: 64,
+            flags: "SA",
+            bulk: 0,
+        })
+    };
+    let with_case = |f: Frame| {
+        f.with(|f| {
+            f.flags = c.flags;
+            f.bulk = c.bulk;
+            f.ttl = c.ttl;
+            f.vlan = c.vlan;
+        })
+    };
+    // Where the frame comes in, its bytes, and the source it must leave with.
+    let (ingress, mut bytes, source) = if c.target < VIPS {
+        let f = with_case(client_syn(n, vips(n)[c.target], c.sport));
+        (h.g0, f.bytes(), n.client)
+    } else if c.target == VIPS {
+        let f = with_case(open(h)?);
+        (h.g1, f.bytes(), n.vip)
+    } else {
+        // As the client got the reply, quoted whole or only as far as routers must.
+        // The quote's own TTL is the reply's; the case's is the error's.
+        let quoted = with_case(open(h)?).with(|f| {
+            f.vlan = None;
+            f.ttl = 64;
+        });
+        let reply = crate::to_client(&quoted, n.vip);
+        let packet = &reply.bytes()[14..];
+        let ip_hlen = if n.client.is_ipv4() { 20 } else { 40 };
+        let quote = if c.bulk.is_multiple_of(2) {
+            packet.len()
+        } else {
+            ip_hlen + 8
+        };
+        let router = (MAC_CLIENT, MAC_G0, c.ttl);
+        let error = icmp_error(n.router, n.vip, router, &packet[..quote]);
+        (h.g0, error, n.router)
+    };
+    match &c.mangle {
+        Mangle::Whole => {}
+        Mangle::Cut(len) => bytes.truncate(*len),
+        Mangle::Set(at) => {
+            for &(i, b) in at {
+                if let Some(byte) = bytes.get_mut(i) {
+                    *byte = b;
+                }
+            }
+        }
+    }
+    let entries = |h: &mut Harness| h.dp.flow_table().keys().count();
+    let before = entries(h);
+    let (v, out) = h.run(ingress, &bytes)?;
+    ensure!(
+        matches!(v, XDP_DROP | XDP_PASS | XDP_TX | XDP_REDIRECT),
+        "verdict {v}"
+    );
+    verdicts[v as usize] += 1;
+    if v == XDP_DROP {
+        ensure!(entries(h) <= before, "a dropped frame left a flow entry");
+    }
+    if matches!(c.mangle, Mangle::Whole) && matches!(v, XDP_TX | XDP_REDIRECT) {
+        let (valid, src) = checksums_valid(&out)?;
+        ensure!(valid, "invalid checksums out: {out:02x?}");
+        ensure!(src == source, "went out from {src}, not {source}");
+    }
+    Ok(())
 }
 
 /// The agent walks the flow table in batches (`map_batch`, for drain statuses and the sync
@@ -2126,7 +2191,8 @@ fn without_df(mut frame: Vec<u8>) -> Vec<u8> {
 
 /// Runs `f` with the MTU of `links` at 1300 (IPv6 needs at least 1280 on a link), then puts
 /// 1500 back whatever `f` returned. Next hops cached earlier still carry the old MTU for the
-/// rest of their epoch, so `f` runs in the next one.
+/// rest of their epoch, which for replies is shifted by the client's port
+/// (`reply_epoch`), so `f` runs once a whole epoch has passed.
 fn with_small_mtu(links: &[&str], f: impl FnOnce() -> Result<()>) -> Result<()> {
     let mtu = |m: &str| -> Result<()> {
         for link in links {
@@ -2138,7 +2204,7 @@ fn with_small_mtu(links: &[&str], f: impl FnOnce() -> Result<()>) -> Result<()> 
         Ok(())
     };
     mtu("1300")?;
-    next_epoch();
+    std::thread::sleep(std::time::Duration::from_nanos((1 << 30) + 5_000_000));
     let result = f();
     mtu("1500")?;
     result
