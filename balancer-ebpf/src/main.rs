@@ -26,10 +26,10 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use balancer_common::{
-    hash::draws, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, Limit, NextHop,
-    ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT, FLOW_ACKED,
-    FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, FLOW_UNTOLD, IPPROTO_TCP, MAGLEV_SIZE,
-    MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
+    hash::draws, reply_epoch, sync_epoch, Backend, BackendHop, Counter, FlowEntry, FlowKey, Limit,
+    NextHop, ReplyKey, VipInfo, VipKey, ALTERNATES_SIZE, BACKEND_F_DOWN, BACKEND_F_PRESENT,
+    FLOW_ACKED, FLOW_EVENT_ALIVE, FLOW_EVENT_CLOSE, FLOW_EVENT_OPEN, FLOW_UNTOLD, IPPROTO_TCP,
+    MAGLEV_SIZE, MAX_REPLY_VIPS, VIP_F_DSR, VIP_F_SYNC,
 };
 
 use affinity::Hinted;
@@ -333,9 +333,9 @@ fn too_big(no: &NoHop) -> bool {
 }
 
 /// The next hop of a flow's replies: the answer cached in its entry while it is from this
-/// epoch (about a second), else a fresh FIB lookup, kept for the next packets. A stale answer
-/// lives a second at most: a changed route or neighbour MAC takes effect by then. Only usable
-/// answers are cached.
+/// flow's epoch (about a second, shifted by the client's port: `reply_epoch`), else a fresh
+/// FIB lookup, kept for the next packets. A stale answer lives a second at most: a changed
+/// route or neighbour MAC takes effect by then. Only usable answers are cached.
 #[inline(always)]
 fn to_client(
     ctx: &XdpContext,
@@ -345,7 +345,7 @@ fn to_client(
     ends: (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
 ) -> Result<NextHop, NoHop> {
-    let epoch = (now >> 30) as u32;
+    let epoch = reply_epoch(now, pkt.key.dport);
     if fresh(cache, epoch, pkt) {
         return Ok(*cache);
     }
