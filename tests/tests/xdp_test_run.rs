@@ -168,6 +168,22 @@ struct Frame {
     bulk: usize,
 }
 
+/// The SYN-ACK of `n.backend`'s port 8000 to the client's `port`, as it arrives on g1.
+fn server_syn_ack(n: &Net, port: u16) -> Frame {
+    Frame {
+        smac: MAC_S0,
+        dmac: MAC_G1,
+        vlan: None,
+        src: n.backend,
+        dst: n.client,
+        sport: 8000,
+        dport: port,
+        ttl: 64,
+        flags: "SA",
+        bulk: 0,
+    }
+}
+
 /// A SYN from the client to `dst:8000`, as it arrives on g0.
 fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
     Frame {
@@ -606,18 +622,7 @@ fn one_case(h: &mut Harness, n: &Net, c: &Case, verdicts: &mut [u32; 5]) -> Resu
         // The connection first, so that a reply or an error has one to belong to.
         let (v, _) = h.run(h.g0, &client_syn(n, n.vip, c.sport).bytes())?;
         ensure!(v == XDP_REDIRECT, "the connection's SYN: verdict {v}");
-        Ok(Frame {
-            smac: MAC_S0,
-            dmac: MAC_G1,
-            vlan: None,
-            src: n.backend,
-            dst: n.client,
-            sport: 8000,
-            dport: c.sport,
-            ttl: 64,
-            flags: "SA",
-            bulk: 0,
-        })
+        Ok(server_syn_ack(n, c.sport))
     };
     let with_case = |f: Frame| {
         f.with(|f| {
@@ -1312,18 +1317,7 @@ fn replies_follow_the_live_flow_and_ends_open_nothing() -> Result<()> {
                 "SYN from the same port to the second VIP",
                 client_syn(n, vip2, 50000),
             )?;
-            let syn_ack = Frame {
-                smac: MAC_S0,
-                dmac: MAC_G1,
-                vlan: None,
-                src: n.backend,
-                dst: n.client,
-                sport: 8000,
-                dport: 50000,
-                ttl: 64,
-                flags: "SA",
-                bulk: 0,
-            };
+            let syn_ack = server_syn_ack(n, 50000);
             let from_vip2 = to_client(&syn_ack, vip2);
             h.expect(
                 &format!("{fam} SYN-ACK while a closed flow from the same port lingers"),
@@ -1463,18 +1457,7 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
             f.ttl -= 1;
         })
     };
-    let reply = Frame {
-        smac: MAC_S0,
-        dmac: MAC_G1,
-        vlan: None,
-        src: n.backend,
-        dst: n.client,
-        sport: 8000,
-        dport: 40001,
-        ttl: 64,
-        flags: "SA",
-        bulk: 0,
-    };
+    let reply = server_syn_ack(n, 40001);
     // What the client receives: the reply comes from the VIP.
     let to_client = |f: &Frame| to_client(f, n.vip);
     let s0 = h.stats(backend_id);
@@ -3043,18 +3026,10 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
         f.flags = "PA";
         f.bulk = 1400;
     });
-    let big_reply = Frame {
-        smac: MAC_S0,
-        dmac: MAC_G1,
-        vlan: None,
-        src: n.backend,
-        dst: n.client,
-        sport: 8000,
-        dport: 40200,
-        ttl: 64,
-        flags: "PA",
-        bulk: 1400,
-    };
+    let big_reply = server_syn_ack(n, 40200).with(|f| {
+        f.flags = "PA";
+        f.bulk = 1400;
+    });
     with_small_mtu(&["g0"], || {
         h.expect(
             &format!("{fam} reply past the client side's MTU"),
@@ -3435,18 +3410,7 @@ fn reports(
     let want = |events: Vec<Event>| if sharing { events } else { Vec::new() };
     let syn = client_syn(n, n.vip, 40300);
     let ack = syn.with(|f| f.flags = "A");
-    let reply = Frame {
-        smac: MAC_S0,
-        dmac: MAC_G1,
-        vlan: None,
-        src: n.backend,
-        dst: n.client,
-        sport: 8000,
-        dport: 40300,
-        ttl: 64,
-        flags: "PA",
-        bulk: 0,
-    };
+    let reply = server_syn_ack(n, 40300).with(|f| f.flags = "PA");
     let run = |h: &mut Harness, ingress: u32, f: &Frame| forwarded(h, ingress, f, fam);
     let (g0, g1) = (h.g0, h.g1);
     run(h, g0, &syn)?;
