@@ -26,8 +26,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Load the XDP program, attach it, fill its maps, and keep them current. `reload` (or
-    /// SIGHUP) reloads the configuration; SIGINT or SIGTERM detach and exit (with `agent.pin_dir`, leave the
-    /// program attached and pinned for the next agent, which takes it over).
+    /// SIGHUP) reloads the configuration; SIGINT or SIGTERM detach and exit (with
+    /// `agent.pin_dir`, leave the program attached and pinned for the next agent, which
+    /// takes it over).
     Run {
         /// The configuration file (TOML; every key in docs/configuration.md).
         #[arg(long, short)]

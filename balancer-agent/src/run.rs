@@ -200,12 +200,17 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     tokio::task::yield_now().await;
     std::fs::remove_file(&socket_path).ok();
-    lock(&ctl).dataplane().stop()?;
+    let stopped = lock(&ctl).dataplane().stop();
     if let Some(failure) = failed {
         // Ended, not carried on without it: frozen states or weights would go unnoticed,
         // and a supervisor restarts an agent that exits (with `pin_dir`, breaking nothing).
-        bail!("{failure}; the agent stopped");
+        // The failure is the news; one stopping the data path is said with it.
+        match stopped {
+            Ok(()) => bail!("{failure}; the agent stopped"),
+            Err(e) => bail!("{failure}; the agent stopped, and stopping failed: {e:#}"),
+        }
     }
+    stopped?;
     info!("stopped");
     Ok(())
 }

@@ -19,6 +19,7 @@
 
 use std::{
     collections::HashMap,
+    mem::Discriminant,
     net::{IpAddr, SocketAddr},
     ops::ControlFlow,
     os::unix::fs::PermissionsExt,
@@ -414,9 +415,9 @@ pub struct Heard {
     restarts: u64,
     events: u64,
     refused: u64,
-    /// When the latest datagram from its address was refused, and why, while none was
-    /// accepted after it.
-    refusing: Option<(Instant, String)>,
+    /// When the latest datagram from its address was refused, and why (the kind of
+    /// reason, and its words), while none was accepted after it.
+    refusing: Option<(Instant, Discriminant<Refused>, String)>,
     send_errors: u64,
     /// Why the latest datagram to it could not be sent, while none went after it.
     unsendable: Option<String>,
@@ -442,14 +443,15 @@ impl PeerLog {
     }
 
     /// A datagram from `peer`'s address refused at `now`; whether that is news: the first
-    /// since one was accepted, or for another reason than the last (a run of refusals is
-    /// warned about once per reason).
+    /// since one was accepted, or for another kind of reason than the last (a run of
+    /// refusals is warned about once per kind: a stale datagram's words change with each
+    /// skew).
     pub fn refused(&self, peer: SocketAddr, why: &Refused, now: Instant) -> bool {
-        let why = why.to_string();
+        let kind = std::mem::discriminant(why);
         self.with(peer, |h| {
             h.refused += 1;
-            let last = h.refusing.replace((now, why.clone()));
-            last.is_none_or(|(_, before)| before != why)
+            let last = h.refusing.replace((now, kind, why.to_string()));
+            last.is_none_or(|(_, before, _)| before != kind)
         })
         .unwrap_or(true)
     }
@@ -486,13 +488,13 @@ impl Heard {
         // replayed datagram is refused too).
         let state = if self.last.is_some_and(|(at, _)| recent(at)) {
             PeerState::Up
-        } else if self.refusing.as_ref().is_some_and(|(at, _)| recent(*at)) {
+        } else if self.refusing.as_ref().is_some_and(|(at, ..)| recent(*at)) {
             PeerState::Refused
         } else {
             PeerState::Silent
         };
         let problem = match (&self.refusing, &self.unsendable) {
-            (Some((_, why)), _) => Some(format!("its datagrams are refused: {why}")),
+            (Some((.., why)), _) => Some(format!("its datagrams are refused: {why}")),
             (None, Some(e)) => Some(format!("sending to it fails: {e}")),
             (None, None) if ago.is_none() => Some("never heard from".to_owned()),
             (None, None) => None,
@@ -939,9 +941,13 @@ mod tests {
         assert_eq!(row(5.5).state, PeerState::Silent);
         // Another key: only refused datagrams, then none.
         assert!(log.refused(a, &Refused::Stale(40_000), s(6.0)));
+        assert!(
+            !log.refused(a, &Refused::Stale(41_000), s(6.5)),
+            "the same kind"
+        );
         assert_eq!(row(7.0).state, PeerState::Refused);
         assert!(row(7.0).problem.unwrap().contains("clocks apart"));
-        assert_eq!(row(9.5).state, PeerState::Silent);
+        assert_eq!(row(10.0).state, PeerState::Silent);
         // The other peer: what could not be sent, until something is.
         let unreachable = std::io::Error::from(std::io::ErrorKind::HostUnreachable);
         assert!(

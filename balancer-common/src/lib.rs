@@ -299,8 +299,9 @@ pub fn sync_epoch(now: u64) -> u32 {
 /// `client_port` (as stored): the program's clock shifted by up to an epoch by the port, so
 /// that the answers of many flows do not all go stale at once (every flow's next reply
 /// would look its next hop up in the same instant, once a second). Each still lasts one
-/// epoch. The way to the servers needs no such shift: flows to one server share its
-/// answer (`BackendHop`), one lookup an epoch and CPU.
+/// epoch. The way to a server on one of our links needs no such shift: flows to it share
+/// its answer (`BackendHop`), one lookup an epoch and CPU; flows to a server behind a router
+/// still look up in the same instant.
 #[inline(always)]
 pub fn reply_epoch(now: u64, client_port: u16) -> u32 {
     ((now + (u64::from(client_port) << 14)) >> 30) as u32

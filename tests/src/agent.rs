@@ -402,12 +402,14 @@ impl<'t> Agent<'t> {
     }
 
     /// The pool's hint buckets in use, as `buckets --json` prints them.
+    #[cfg(feature = "agent")]
     pub fn buckets(&self, pool: &str) -> Result<BucketsView> {
         let text = self.cli(&["buckets", pool, "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("buckets --json printed {text:?}"))
     }
 
     /// The gateways the agent shares flows with, as `peers --json` prints them.
+    #[cfg(feature = "agent")]
     pub fn peers(&self) -> Result<Vec<PeerRow>> {
         let text = self.cli(&["peers", "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("peers --json printed {text:?}"))

@@ -2187,7 +2187,8 @@ fn with_small_mtu(links: &[&str], f: impl FnOnce() -> Result<()>) -> Result<()> 
         Ok(())
     };
     mtu("1300")?;
-    std::thread::sleep(std::time::Duration::from_nanos((1 << 30) + 5_000_000));
+    // And a tick or two: the program's clock is coarse.
+    std::thread::sleep(std::time::Duration::from_nanos((1 << 30) + 20_000_000));
     let result = f();
     mtu("1500")?;
     result
