@@ -656,18 +656,12 @@ async fn answer(stream: UnixStream, ctl: Shared, reloads: Reloads) {
                     Handled::Now(response) => response,
                     Handled::Walk(question) => spawn_blocking(move || question.answer())
                         .await
-                        .unwrap_or_else(|e| Response::Error {
-                            message: format!("counting open flows: {e}"),
-                        }),
+                        .unwrap_or_else(|e| error(format!("counting open flows: {e}"))),
                 }
             }
-            Err(e) => Response::Error {
-                message: format!("bad request: {e}"),
-            },
+            Err(e) => error(format!("bad request: {e}")),
         },
-        Ok(Err(e)) => Response::Error {
-            message: format!("bad request: {e}"),
-        },
+        Ok(Err(e)) => error(format!("bad request: {e}")),
         Err(_) => return,
     };
     if let Ok(mut text) = serde_json::to_string(&response) {

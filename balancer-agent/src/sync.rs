@@ -408,7 +408,7 @@ impl Stats {
 pub struct PeerLog(Mutex<Vec<(SocketAddr, Heard)>>);
 
 #[derive(Debug, Default)]
-pub struct Heard {
+struct Heard {
     /// When the peer's last accepted datagram came, and the agent run that sent it.
     last: Option<(Instant, u64)>,
     /// Times the run changed: the peer's agent restarted.
@@ -787,6 +787,16 @@ mod tests {
         Key::new(&[byte; 32]).unwrap()
     }
 
+    /// `body` tagged with key 1 as `seal` would, whatever it holds (`seal` takes no more
+    /// than MAX_EVENTS, nor anything but a well-formed batch).
+    fn signed(body: Vec<u8>) -> Vec<u8> {
+        let mut mac = key(1).mac();
+        mac.update(&body);
+        let mut d = body;
+        d.extend_from_slice(&mac.finalize().into_bytes());
+        d
+    }
+
     fn batch(seq: u64, sent_ms: u64, n: usize) -> Batch {
         let kinds = [Kind::Open, Kind::Close, Kind::Alive];
         Batch {
@@ -864,27 +874,20 @@ mod tests {
 
     #[test]
     fn authentic_but_unusable_datagrams_are_refused() {
-        let sign = |body: Vec<u8>| {
-            let mut mac = key(1).mac();
-            mac.update(&body);
-            let mut d = body;
-            d.extend_from_slice(&mac.finalize().into_bytes());
-            d
-        };
         let mut other_version = seal(&key(1), &batch(1, 5, 1));
         other_version.truncate(other_version.len() - TAG_BYTES);
         other_version[0] = 2;
         assert_eq!(
-            open(&key(1), &sign(other_version), 5),
+            open(&key(1), &signed(other_version), 5),
             Err(Refused::Version(2))
         );
         assert!(matches!(
-            open(&key(1), &sign(vec![VERSION, 0xff, 0xff]), 5),
+            open(&key(1), &signed(vec![VERSION, 0xff, 0xff]), 5),
             Err(Refused::Malformed(_))
         ));
         let too_many = postcard::to_extend(&batch(1, 5, MAX_EVENTS + 1), vec![VERSION]).unwrap();
         assert_eq!(
-            open(&key(1), &sign(too_many), 5),
+            open(&key(1), &signed(too_many), 5),
             Err(Refused::TooMany(MAX_EVENTS + 1))
         );
         let datagram = seal(&key(1), &batch(1, 1_000_000, 1));
@@ -1137,16 +1140,6 @@ mod tests {
                 hello,
                 events,
             })
-    }
-
-    /// `batch` signed as `seal` would, whatever it holds (`seal` allows no more than
-    /// MAX_EVENTS).
-    fn signed(body: Vec<u8>) -> Vec<u8> {
-        let mut mac = key(1).mac();
-        mac.update(&body);
-        let mut d = body;
-        d.extend_from_slice(&mac.finalize().into_bytes());
-        d
     }
 
     proptest::proptest! {
