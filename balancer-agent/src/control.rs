@@ -12,7 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Forwarding;
+use crate::{config::Forwarding, ready::Readiness};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
@@ -47,6 +47,8 @@ pub enum Request {
     Peers,
     /// Read the configuration file again and apply it, as SIGHUP does.
     Reload,
+    /// Whether this gateway should take traffic yet (`ready.rs`).
+    Ready,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -77,6 +79,7 @@ pub enum Response {
         pools: usize,
         warnings: Vec<String>,
     },
+    Ready(Readiness),
     Error {
         message: String,
     },
@@ -196,6 +199,10 @@ pub struct PeerRow {
     /// What is wrong, if something is: why its datagrams are refused, why sending fails,
     /// or that it was never heard from.
     pub problem: Option<String>,
+    /// The live flows it sent this agent when it started, once it said it sent them all
+    /// (absent from an older agent's answer).
+    #[serde(default)]
+    pub flows_at_start: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -359,8 +366,8 @@ pub fn render_buckets(view: &BucketsView) -> String {
     title + &columns(&rows)
 }
 
-/// The peers, `peer state heard events-in refused send-errors restarts`; below, each one's
-/// problem.
+/// The peers, `peer state heard events-in refused send-errors restarts flows-at-start`;
+/// below, each one's problem.
 pub fn render_peers(peers: &[PeerRow]) -> String {
     let mut rows = vec![[
         "peer",
@@ -370,6 +377,7 @@ pub fn render_peers(peers: &[PeerRow]) -> String {
         "refused",
         "send-errors",
         "restarts",
+        "flows-at-start",
     ]
     .map(String::from)];
     for p in peers {
@@ -383,6 +391,7 @@ pub fn render_peers(peers: &[PeerRow]) -> String {
             p.refused.to_string(),
             p.send_errors.to_string(),
             p.restarts.to_string(),
+            p.flows_at_start.map_or("-".into(), |n| n.to_string()),
         ]);
     }
     let mut out = columns(&rows);
@@ -418,25 +427,35 @@ mod tests {
     /// As docs/operations.md shows it.
     #[test]
     fn peers_render_as_the_docs_show() {
-        let row = |peer: &str, state, heard, events_in, refused, restarts, problem: &str| PeerRow {
-            peer: peer.into(),
-            state,
-            heard_ms_ago: heard,
-            events_in,
-            refused,
-            send_errors: 0,
-            restarts,
-            problem: (!problem.is_empty()).then(|| problem.into()),
-        };
+        let row =
+            |peer: &str, state, heard, (events_in, refused, restarts), dumped, problem: &str| {
+                PeerRow {
+                    peer: peer.into(),
+                    state,
+                    heard_ms_ago: heard,
+                    events_in,
+                    refused,
+                    send_errors: 0,
+                    restarts,
+                    problem: (!problem.is_empty()).then(|| problem.into()),
+                    flows_at_start: dumped,
+                }
+            };
         let peers = [
-            row("10.4.0.2:7471", PeerState::Up, Some(300), 1204, 0, 1, ""),
+            row(
+                "10.4.0.2:7471",
+                PeerState::Up,
+                Some(300),
+                (1204, 0, 1),
+                Some(812),
+                "",
+            ),
             row(
                 "10.4.0.3:7471",
                 PeerState::Refused,
                 None,
-                0,
-                37,
-                0,
+                (0, 37, 0),
+                None,
                 "its datagrams are refused: its tag does not match: another key, or altered",
             ),
         ];

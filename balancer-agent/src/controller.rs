@@ -24,6 +24,7 @@ use crate::{
     health::{ApiKey, Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
+    ready::{self, PoolStart, Readiness},
     sync,
 };
 
@@ -65,6 +66,8 @@ struct Server {
     decision: Decision,
     scrape_error: Option<String>,
     health: String,
+    /// A health check's result came, good or not.
+    checked: bool,
     model: Option<String>,
     /// The most requests it was seen running: its slots, when the pool does not say.
     max_running: f64,
@@ -129,6 +132,7 @@ impl Server {
             },
             scrape_error: None,
             health: "not checked yet".into(),
+            checked: false,
             model: pool.model.clone(),
             max_running: 0.0,
             progress: None,
@@ -216,6 +220,9 @@ pub struct Controller {
     reclaimed: [u64; 2],
     /// Entries in the flow table at the last sweep's walk.
     flow_entries: Option<u64>,
+    started: Instant,
+    /// Once ready, the answer then, for the rest of the run (`ready.rs`).
+    ready: Option<Readiness>,
 }
 
 impl Controller {
@@ -280,6 +287,8 @@ impl Controller {
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
+            started: now,
+            ready: None,
         };
         c.adopt(config, &plan, &HashSet::new());
         let states =
@@ -868,6 +877,7 @@ impl Controller {
             if outcome == Outcome::Failed && !named.contains(key.0.as_str()) {
                 s.model = None;
             }
+            s.checked = true;
             s.health = match (&result, outcome, hung) {
                 (Ok(()), _, _) => "ok".into(),
                 (Err(e), Outcome::Busy, _) => format!("busy (queue or every slot taken): {e:#}"),
@@ -1180,9 +1190,45 @@ impl Controller {
         (applied, unknown)
     }
 
+    /// Whether the gateway should take traffic yet; once it should, until the agent stops.
+    pub fn readiness(&mut self) -> Readiness {
+        if let Some(ready) = &self.ready {
+            return ready.clone();
+        }
+        let pools: Vec<PoolStart> = (self.config.pool.iter())
+            .map(|p| {
+                let servers = || {
+                    p.server.iter().filter_map(|s| {
+                        let api = SocketAddr::new(s.address, s.port);
+                        self.servers.get(&(p.name.clone(), api))
+                    })
+                };
+                PoolStart {
+                    pool: p.name.clone(),
+                    servers: p.server.len(),
+                    unscraped: servers()
+                        .filter(|s| s.reading_at.is_none() && s.scrape_error.is_none())
+                        .count(),
+                    unchecked: servers().filter(|s| !s.checked).count(),
+                }
+            })
+            .collect();
+        let now = Instant::now();
+        let peers = (self.sync_stats.as_ref())
+            .map(|s| s.peers.rows(now))
+            .unwrap_or_default();
+        let r = ready::assess(&pools, &peers, now.duration_since(self.started));
+        if r.ready {
+            info!(notes = ?r.notes, "ready to take traffic");
+            self.ready = Some(r.clone());
+        }
+        r
+    }
+
     /// Everything the agent's metrics endpoint reports, now.
-    pub fn snapshot(&self) -> crate::exporter::Snapshot {
+    pub fn snapshot(&mut self) -> crate::exporter::Snapshot {
         crate::exporter::Snapshot {
+            ready: self.readiness().ready,
             counters: self.counters().unwrap_or_default(),
             reclaimed: self.reclaimed_counters(),
             sync: self.sync_counters(),
@@ -1239,6 +1285,7 @@ impl Controller {
                     "this agent shares flows with no other gateway ([sync] is not configured)"
                 )),
             },
+            Ready => Ok(Response::Ready(self.readiness())),
             // It reads the file the agent started with: `run` answers it.
             Reload => Err(anyhow::anyhow!(
                 "a reload is the running agent's to answer, not its controller's"

@@ -37,6 +37,8 @@ pub struct Snapshot {
     /// Entries in the flow table at the last sweep, and its size; none before the first.
     pub flow_table: Option<(u64, u32)>,
     pub pools: Vec<PoolView>,
+    /// Whether the gateway should take traffic yet (`ready.rs`).
+    pub ready: bool,
 }
 
 /// The text exposition of `snapshot`.
@@ -204,6 +206,13 @@ impl Collector for Snapshot {
         if !self.peers.is_empty() {
             self.encode_peers(&mut encoder)?;
         }
+        gauge(
+            &mut encoder,
+            "ready",
+            "1 once every server was scraped and checked and every peer sent its flows \
+             (`balancer-agent ready`, GET /ready), until the agent stops.",
+            if self.ready { 1.0 } else { 0.0 },
+        )?;
         if let Some((entries, size)) = self.flow_table {
             gauge(
                 &mut encoder,
@@ -517,6 +526,7 @@ mod tests {
                     send_errors: 0,
                     restarts: 2,
                     problem: None,
+                    flows_at_start: Some(12),
                 },
                 PeerRow {
                     peer: "10.0.2.3:7471".into(),
@@ -527,9 +537,11 @@ mod tests {
                     send_errors: 5,
                     restarts: 0,
                     problem: Some("never heard from".into()),
+                    flows_at_start: None,
                 },
             ],
             flow_table: Some((1200, 262144)),
+            ready: true,
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
                 vip: "192.0.2.60:8000".into(),
@@ -580,6 +592,7 @@ mod tests {
         assert_eq!(peer("balancer_sync_peer_restarts_total"), [2.0, 0.0]);
         assert_eq!(value("balancer_sync_events_total", None), [7.0]);
         assert_eq!(value("balancer_agent_events_total", None), [5.0]);
+        assert_eq!(value("balancer_ready", None), [1.0]);
         assert_eq!(value("balancer_flow_table_entries", None), [1200.0]);
         assert_eq!(value("balancer_flow_table_size", None), [262144.0]);
         assert_eq!(

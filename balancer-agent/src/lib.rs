@@ -15,6 +15,7 @@ pub mod objects;
 pub mod pins;
 pub mod plan;
 pub mod policy;
+pub mod ready;
 pub mod route;
 pub mod run;
 pub mod scrape;

@@ -141,6 +141,18 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
+    /// Whether this gateway should take traffic yet: every server scraped and checked, and
+    /// every peer's flows received (`[sync]`); exits 1 while not, saying what it waits for.
+    /// For a routing daemon's health check (`GET /ready` on the metrics endpoint says the
+    /// same).
+    Ready {
+        /// Machine-readable output (printed whether ready or not).
+        #[arg(long)]
+        json: bool,
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
         /// Machine-readable output.
@@ -379,6 +391,23 @@ fn execute(command: Command) -> Result<()> {
                 }
                 Response::Peers { peers } => print!("{}", render_peers(&peers)),
                 other => bail!("unexpected answer: {other:?}"),
+            }
+            Ok(())
+        }
+        Command::Ready { json, socket } => {
+            let Response::Ready(r) = ask(&socket, &Request::Ready)? else {
+                bail!("unexpected answer from the agent");
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else if r.ready {
+                println!("ready");
+                for note in &r.notes {
+                    println!("  {note}");
+                }
+            }
+            if !r.ready {
+                bail!("not ready: waiting for {}", r.waiting.join("; "));
             }
             Ok(())
         }

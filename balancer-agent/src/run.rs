@@ -446,12 +446,15 @@ async fn scrape_loop(ctl: Shared) {
     }
 }
 
-/// Folds the program's flow counters into the picture between scrapes.
+/// Folds the program's flow counters into the picture between scrapes; looks whether the
+/// gateway is ready yet, so that the log says when it is, asked or not.
 async fn fold_loop(ctl: Shared) {
     loop {
         let interval = lock(&ctl).fold_interval();
         sleep(interval).await;
-        lock(&ctl).fold();
+        let mut c = lock(&ctl);
+        c.fold();
+        c.readiness();
     }
 }
 
@@ -588,21 +591,41 @@ async fn serve(listener: UnixListener, ctl: Shared, reloads: Reloads) {
     }
 }
 
-/// Serves the agent's own metrics, `GET /metrics`, until the agent stops.
+/// Serves the agent's own metrics, `GET /metrics`, and whether the gateway should take
+/// traffic yet, `GET /ready` (200, or 503 with what it waits for), until the agent stops.
 async fn export(listener: TcpListener, ctl: Shared) {
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let snapshot = lock(&ctl).snapshot();
-            async move {
-                use axum::{http::header::CONTENT_TYPE, http::StatusCode, response::IntoResponse};
-                match exporter::render(snapshot) {
-                    Ok(text) => ([(CONTENT_TYPE, exporter::CONTENT_TYPE)], text).into_response(),
-                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    use axum::{http::header::CONTENT_TYPE, http::StatusCode, response::IntoResponse};
+    let metrics = ctl.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let snapshot = lock(&metrics).snapshot();
+                async move {
+                    match exporter::render(snapshot) {
+                        Ok(text) => {
+                            ([(CONTENT_TYPE, exporter::CONTENT_TYPE)], text).into_response()
+                        }
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                    }
                 }
-            }
-        }),
-    );
+            }),
+        )
+        .route(
+            "/ready",
+            axum::routing::get(move || {
+                let r = lock(&ctl).readiness();
+                let (status, head, lines) = match r.ready {
+                    true => (StatusCode::OK, "ready", r.notes),
+                    false => (StatusCode::SERVICE_UNAVAILABLE, "not ready", r.waiting),
+                };
+                let body = std::iter::once(head.to_owned())
+                    .chain(lines)
+                    .map(|l| l + "\n")
+                    .collect::<String>();
+                async move { (status, body) }
+            }),
+        );
     exporter::serve(listener, app, exporter::Limits::DEFAULT).await;
 }
 

@@ -5,13 +5,16 @@
 //! keepalive every third of the idle timeout) and the agent sends them to its peers, whose
 //! agents write the same backend into their own flow tables: the connection stays on its
 //! server whichever gateway its packets cross. A starting agent asks its peers for all their
-//! live flows (hello), so that a gateway back from a reboot knows them too. Every agent
+//! live flows (hello), so that a gateway back from a reboot knows them too, and each peer
+//! says when it has sent them all ([`Dumped`]: `balancer-agent ready` waits for it). Every agent
 //! also sends each peer an empty batch every [`HEARTBEAT`], so that a peer lost, or one
 //! whose datagrams are refused (another key, a clock far off), shows in `peers` and the
 //! metrics before a failover needs it.
 //!
 //! On the wire: one UDP datagram per batch of at most [`MAX_EVENTS`] events, a version byte,
-//! the batch in postcard, and an HMAC-SHA256 of both under the key all gateways share.
+//! the batch in postcard, what later agents add after it (a trailer: postcard reads what a
+//! type needs and leaves the rest, so an older agent reads the batch and ignores it), and
+//! an HMAC-SHA256 of all that under the key all gateways share.
 //! Servers and VIPs are named by address, since each agent numbers its backends itself. A
 //! batch names its sender (a random id per agent run) and its sequence number: a datagram
 //! from an address that is not a peer, with a wrong tag, sent more than [`MAX_AGE`] ago, seen
@@ -147,6 +150,18 @@ pub struct Batch {
     /// The sender has just started and asks for the receiver's live flows.
     pub hello: bool,
     pub events: Vec<Event>,
+    /// In the trailer (not in the batch's own encoding, which agents before it read).
+    #[serde(skip)]
+    pub dumped: Option<Dumped>,
+}
+
+/// The end of the live flows a gateway sent a peer that asked for them (hello).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dumped {
+    /// The run of the agent that asked: the news is for it, not for a run before it.
+    pub to: u64,
+    /// How many were sent.
+    pub flows: u64,
 }
 
 /// The key every gateway of the VIPs shares.
@@ -249,11 +264,20 @@ pub enum Refused {
     Reflected,
 }
 
+/// What the tag of `batch`'s datagram covers: the version, the batch, the trailer.
+fn body(batch: &Batch) -> Vec<u8> {
+    let out =
+        postcard::to_extend(batch, vec![VERSION]).expect("a batch always serializes into a Vec");
+    match &batch.dumped {
+        Some(d) => postcard::to_extend(d, out).expect("a trailer always serializes into a Vec"),
+        None => out,
+    }
+}
+
 /// `batch` as one datagram (at most [`MAX_EVENTS`] events).
 pub fn seal(key: &Key, batch: &Batch) -> Vec<u8> {
     debug_assert!(batch.events.len() <= MAX_EVENTS);
-    let mut out =
-        postcard::to_extend(batch, vec![VERSION]).expect("a batch always serializes into a Vec");
+    let mut out = body(batch);
     let mut mac = key.mac();
     mac.update(&out);
     out.extend_from_slice(&mac.finalize().into_bytes());
@@ -276,8 +300,11 @@ pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
     if body[0] != VERSION {
         return Err(Refused::Version(body[0]));
     }
-    let batch: Batch =
-        postcard::from_bytes(&body[1..]).map_err(|e| Refused::Malformed(e.to_string()))?;
+    let malformed = |e: postcard::Error| Refused::Malformed(e.to_string());
+    let (mut batch, trailer) = postcard::take_from_bytes::<Batch>(&body[1..]).map_err(malformed)?;
+    if !trailer.is_empty() {
+        batch.dumped = Some(postcard::from_bytes(trailer).map_err(malformed)?);
+    }
     if batch.events.len() > MAX_EVENTS {
         return Err(Refused::TooMany(batch.events.len()));
     }
@@ -421,6 +448,8 @@ struct Heard {
     send_errors: u64,
     /// Why the latest datagram to it could not be sent, while none went after it.
     unsendable: Option<String>,
+    /// How many live flows it sent when this agent started; none: not all of them yet.
+    dumped: Option<u64>,
 }
 
 impl PeerLog {
@@ -454,6 +483,12 @@ impl PeerLog {
             last.is_none_or(|(_, before, _)| before != kind)
         })
         .unwrap_or(true)
+    }
+
+    /// `peer` has sent this agent all its live flows, `flows` of them; whether that is news.
+    pub fn dumped(&self, peer: SocketAddr, flows: u64) -> bool {
+        self.with(peer, |h| h.dumped.replace(flows).is_none())
+            .unwrap_or(false)
     }
 
     /// The outcome of a send to `peer`; for a failure, whether it is the first since one
@@ -508,6 +543,7 @@ impl Heard {
             send_errors: self.send_errors,
             restarts: self.restarts,
             problem,
+            flows_at_start: self.dumped,
         }
     }
 }
@@ -556,22 +592,29 @@ impl Sender {
     /// Sends `events` to each of `to`, in datagrams of at most [`MAX_EVENTS`].
     pub async fn send(&self, to: &[SocketAddr], events: &[Event]) {
         for chunk in events.chunks(MAX_EVENTS) {
-            self.send_batch(to, chunk, false).await;
+            self.send_batch(to, chunk, false, None).await;
         }
     }
 
     /// An empty batch to each peer; with `hello`, asking for its live flows.
     async fn beat(&self, hello: bool) {
-        self.send_batch(&self.peers, &[], hello).await;
+        self.send_batch(&self.peers, &[], hello, None).await;
     }
 
-    async fn send_batch(&self, to: &[SocketAddr], events: &[Event], hello: bool) {
+    async fn send_batch(
+        &self,
+        to: &[SocketAddr],
+        events: &[Event],
+        hello: bool,
+        dumped: Option<Dumped>,
+    ) {
         let batch = Batch {
             sender: self.id,
             seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
             sent_ms: unix_ms(),
             hello,
             events: events.to_vec(),
+            dumped,
         };
         let datagram = seal(&self.keys().seal, &batch);
         for peer in to {
@@ -675,9 +718,10 @@ pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Res
     Ok(handed)
 }
 
-/// Sends `to` every live shared flow of the flow table `flows_id`, paced: the walk runs on
-/// a blocking thread and hands its parts over a short queue.
-async fn dump(sender: Arc<Sender>, to: SocketAddr, flows_id: u32) {
+/// Sends `to` (its agent's run `run`) every live shared flow of the flow table `flows_id`,
+/// paced: the walk runs on a blocking thread and hands its parts over a short queue. Then
+/// says how many, a few times ([`DUMPED_AT_MS`]: datagrams get lost).
+async fn dump(sender: Arc<Sender>, to: SocketAddr, run: u64, flows_id: u32) {
     let (parts, mut rx) = tokio::sync::mpsc::channel(4);
     let walk = tokio::task::spawn_blocking(move || {
         live_flows(flows_id, |part| parts.blocking_send(part).is_ok())
@@ -686,12 +730,33 @@ async fn dump(sender: Arc<Sender>, to: SocketAddr, flows_id: u32) {
         sender.send(&[to], &part).await;
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    match walk.await {
-        Ok(Ok(flows)) => info!(peer = %to, flows, "sent our flows to a peer that started"),
-        Ok(Err(e)) => warn!(%to, "reading the flow table for a peer: {e:#}"),
-        Err(e) => warn!(%to, "reading the flow table for a peer: {e}"),
+    let flows = match walk.await {
+        Ok(Ok(flows)) => flows,
+        // No end said: the peer's `ready` waits for one until it gives up on us.
+        Ok(Err(e)) => {
+            warn!(%to, "reading the flow table for a peer: {e:#}");
+            return;
+        }
+        Err(e) => {
+            warn!(%to, "reading the flow table for a peer: {e}");
+            return;
+        }
+    };
+    info!(peer = %to, flows, "sent our flows to a peer that started");
+    let dumped = Dumped {
+        to: run,
+        flows: flows as u64,
+    };
+    let started = tokio::time::Instant::now();
+    for at in DUMPED_AT_MS {
+        tokio::time::sleep_until(started + Duration::from_millis(at)).await;
+        sender.send_batch(&[to], &[], false, Some(dumped)).await;
     }
 }
+
+/// When the end of a dump is said, after its last flows: at once, and twice again in case
+/// those datagrams were lost.
+const DUMPED_AT_MS: [u64; 3] = [0, 200, 1000];
 
 /// Receives peers' datagrams and hands their events to `apply`, which returns how many it
 /// wrote and how many named a VIP or server it does not have; answers a peer's hello with
@@ -741,11 +806,18 @@ pub async fn receive_loop(
                 let (applied, unknown) = apply(&batch.events);
                 stats.applied.fetch_add(applied, Ordering::Relaxed);
                 stats.unknown.fetch_add(unknown, Ordering::Relaxed);
+                // Said after its flows, so those came first (unless lost: see `Limits` in
+                // docs/operations.md's "Several gateways").
+                if let Some(d) = batch.dumped.filter(|d| d.to == sender.id) {
+                    if stats.peers.dumped(to, d.flows) {
+                        info!(peer = %to, flows = d.flows, "a peer has sent us all its flows");
+                    }
+                }
                 // Once per agent run that asks (it asks a few times).
                 let greeted = dumps.get(&to).is_some_and(|(run, _)| *run == batch.sender);
                 if batch.hello && !greeted {
                     info!(peer = %to, "a peer started: sending it our flows");
-                    let task = tokio::spawn(dump(sender.clone(), to, flows_id));
+                    let task = tokio::spawn(dump(sender.clone(), to, batch.sender, flows_id));
                     if let Some((_, earlier)) = dumps.insert(to, (batch.sender, task)) {
                         earlier.abort();
                     }
@@ -804,6 +876,7 @@ mod tests {
             seq,
             sent_ms,
             hello: false,
+            dumped: None,
             events: (0..n)
                 .map(|i| Event {
                     kind: kinds[i % 3],
@@ -843,6 +916,30 @@ mod tests {
             );
             assert_eq!(open(&key(1), &datagram, 1_000_000 + 29_000), Ok(sent));
         }
+    }
+
+    /// The end of a dump rides in the trailer: an agent from before it reads the batch and
+    /// ignores the rest, and one that has it reads either.
+    #[test]
+    fn a_dumps_end_is_read_by_new_agents_and_ignored_by_old_ones() {
+        let sent = Batch {
+            dumped: Some(Dumped {
+                to: 0x5eed_0001,
+                flows: 1204,
+            }),
+            ..batch(7, 1_000_000, 0)
+        };
+        let datagram = seal(&key(1), &sent);
+        // As an agent before the trailer opened it: the whole body as a batch.
+        let old: Batch = postcard::from_bytes(&datagram[1..datagram.len() - TAG_BYTES]).unwrap();
+        assert_eq!(old, batch(7, 1_000_000, 0));
+        assert_eq!(open(&key(1), &datagram, 1_000_000), Ok(sent));
+        let mut cut = body(&batch(7, 1_000_000, 0));
+        cut.push(0xff);
+        assert!(matches!(
+            open(&key(1), &signed(cut), 1_000_000),
+            Err(Refused::Malformed(_))
+        ));
     }
 
     #[test]
@@ -885,7 +982,7 @@ mod tests {
             open(&key(1), &signed(vec![VERSION, 0xff, 0xff]), 5),
             Err(Refused::Malformed(_))
         ));
-        let too_many = postcard::to_extend(&batch(1, 5, MAX_EVENTS + 1), vec![VERSION]).unwrap();
+        let too_many = body(&batch(1, 5, MAX_EVENTS + 1));
         assert_eq!(
             open(&key(1), &signed(too_many), 5),
             Err(Refused::TooMany(MAX_EVENTS + 1))
@@ -1132,13 +1229,15 @@ mod tests {
             0..u64::MAX / 2,
             any::<bool>(),
             proptest::collection::vec(event, 0..=MAX_EVENTS + 1),
+            proptest::option::of((any::<u64>(), any::<u64>())),
         )
-            .prop_map(|(sender, seq, sent_ms, hello, events)| Batch {
+            .prop_map(|(sender, seq, sent_ms, hello, events, dumped)| Batch {
                 sender,
                 seq,
                 sent_ms,
                 hello,
                 events,
+                dumped: dumped.map(|(to, flows)| Dumped { to, flows }),
             })
     }
 
@@ -1155,7 +1254,7 @@ mod tests {
             (cut, at, byte) in (proptest::num::usize::ANY, proptest::num::usize::ANY, proptest::num::u8::ANY),
             ring in proptest::collection::vec(proptest::num::u8::ANY, 0..128),
         ) {
-            let body = postcard::to_extend(&b, vec![VERSION]).unwrap();
+            let body = body(&b);
             let mut datagram = signed(body.clone());
             let now = b.sent_ms.saturating_add_signed(skew);
             let opened = open(&key(1), &datagram, now);

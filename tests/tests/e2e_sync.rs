@@ -15,15 +15,18 @@
 //! datagrams at every step. A datagram from an address that is not a peer changes nothing
 //! and is counted. `peers` tells each gateway's view of the other: up while it runs (with
 //! the events it sent, and a restart), silent once it is gone; `show` alone, both pools.
+//! `ready` (and `GET /ready`) holds a gateway back while a peer may still answer, and says
+//! ready once the restarted gateway has every server checked and the first's flows.
 
 use std::collections::BTreeSet;
-use std::net::{SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use balancer_agent::control::{PeerRow, PeerState, PoolView};
+use balancer_agent::ready::Readiness;
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, SyncSection};
 use balancer_tests::backends::SimBackends;
 use balancer_tests::sim::client::{self, read_on, Stream};
@@ -48,6 +51,8 @@ const TOKENS: u64 = 1500;
 /// and at least this one is left for new connections once those three are drained.
 const SPARE: usize = 3;
 const SYNC_PORT: u16 = 7471;
+/// The second gateway's metrics endpoint, on its namespace's loopback.
+const METRICS_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9477);
 const PROBES: usize = 12;
 
 #[test]
@@ -80,6 +85,23 @@ fn wait_counter(agent: &Agent, name: &str, at_least: u64) -> Result<u64> {
 }
 
 /// `agent`'s view of its peer at `addr`.
+/// `balancer-agent ready --json`, which exits 1 while not ready.
+fn readiness(agent: &Agent) -> Result<Readiness> {
+    let out = agent.cli_command(&["ready", "--json"]).output()?;
+    let r: Readiness = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "ready --json printed {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })?;
+    ensure!(
+        out.status.success() == r.ready,
+        "ready --json exited {} for {r:?}",
+        out.status
+    );
+    Ok(r)
+}
+
 fn peer(agent: &Agent, addr: SocketAddr) -> Result<PeerRow> {
     let peers = agent.peers()?;
     let wanted = addr.to_string();
@@ -161,7 +183,23 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         key_file: key_file.clone(),
         accept_key_files: Vec::new(),
     });
+    second_config.agent.metrics_listen = Some(METRICS_LISTEN);
+    let spawned = Instant::now();
     let first = Agent::start(topology, binary, &first_config)?;
+    // Its peer has not started: for its first 3.5 s it waits to hear it (an answer that
+    // took longer on a loaded machine says nothing).
+    let early = readiness(&first)?;
+    println!(
+        "the first gateway, {:.1} s after its start: {early:?}",
+        spawned.elapsed().as_secs_f64()
+    );
+    if spawned.elapsed() < Duration::from_secs(3) {
+        let wanted = format!("{}: not heard yet", side[1]);
+        ensure!(
+            !early.ready && early.waiting.contains(&wanted),
+            "the first gateway must wait to hear its peer at first: {early:?}"
+        );
+    }
     let second = Agent::start_in(topology, topology.gw2()?, "agent2", binary, &second_config)?;
     let both = [&first, &second];
 
@@ -238,8 +276,36 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     let dumped = first.wait_for_log(mark, Duration::from_secs(5), |l| {
         l.contains("sent our flows to a peer that started")
     })?;
-    let applied = wait_counter(&second, "sync_applied", STREAMS as u64)?;
-    println!("after its restart the second gateway applied {applied} flows; the first: {dumped}");
+    // Ready once its servers are checked and the first said it sent all its flows: the
+    // streams among them, written before the end came.
+    let asked = Instant::now();
+    let ready = loop {
+        let r = readiness(&second)?;
+        if r.ready || asked.elapsed() > Duration::from_secs(20) {
+            break r;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    let applied = second.counter("sync_applied")?;
+    let sent = peer(&second, side[0])?.flows_at_start;
+    println!(
+        "the restarted second gateway: {ready:?} after {:.1} s; {applied} flows applied; \
+         the first: {dumped}",
+        asked.elapsed().as_secs_f64()
+    );
+    ensure!(
+        ready.ready && sent.is_some_and(|n| n >= STREAMS as u64) && applied >= STREAMS as u64,
+        "the restarted gateway must be ready with the first's flows: sent {sent:?}, {ready:?}"
+    );
+    let http = topology
+        .gw2()?
+        .enter(|| client::get(METRICS_LISTEN, "/ready"))?;
+    ensure!(
+        http.head.status == 200 && http.body.starts_with("ready\n"),
+        "GET /ready: {} {:?}",
+        http.head.status,
+        http.body
+    );
     let restarted = peer(&first, side[1])?;
     ensure!(
         restarted.state == PeerState::Up && restarted.restarts == 1,
