@@ -35,7 +35,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{config, map_batch, objects, pins::Pins, plan::Plan, sync::Kind};
+use crate::{config, map_ops, objects, pins::Pins, plan::Plan, sync::Kind};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -1080,7 +1080,7 @@ fn slot(vip_id: u32, bucket: u16) -> Result<u32> {
 
 /// Connections still open on each of `ids` in the flow table `flows_id` (a map id): entries
 /// not ended (`FlowEntry::closed`) and not idle past their timeout, nor, with `quiet`, for
-/// longer than that. Walks the whole table (in batches, [`map_batch`]: well under a second a million
+/// longer than that. Walks the whole table (in batches, [`map_ops`]: well under a second a million
 /// entries), so it is for occasional questions (has a drained server's last stream ended?),
 /// asked without the controller's lock.
 pub fn live_flows(
@@ -1102,7 +1102,7 @@ fn count_live(
         quiet.is_none_or(|q| now.saturating_sub(e.last_seen_ns) <= q.as_nanos() as u64)
     };
     let mut live = HashMap::new();
-    map_batch::for_each(flows_id, |_: FlowKey, e: FlowEntry| {
+    map_ops::for_each(flows_id, |_: FlowKey, e: FlowEntry| {
         if counted(e.backend_id) && e.live_at(now) && heard(&e) {
             *live.entry(e.backend_id).or_insert(0) += 1;
         }

@@ -10,7 +10,7 @@ pub mod health;
 pub mod hint;
 pub mod homes;
 pub mod maglev;
-pub mod map_batch;
+pub mod map_ops;
 pub mod objects;
 pub mod pins;
 pub mod plan;

@@ -10,10 +10,11 @@
 use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapError};
+use aya_obj::generated::BPF_NOEXIST;
 use balancer_common::{FlowEntry, FlowKey};
 
-use crate::{dataplane::monotonic_ns, map_batch};
+use crate::{dataplane::monotonic_ns, map_ops};
 
 /// How long an ended connection's or an unanswered handshake's entry is kept after its last
 /// packet: longer than a retransmitted FIN or SYN takes (a client's third SYN comes 3 s after
@@ -53,16 +54,12 @@ pub fn pause(took: Duration) -> Duration {
 /// batches) and then deletes one entry a system call: run it on a blocking thread, without
 /// the controller's lock.
 pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
-    let now = monotonic_ns();
-    let quiet = quiet.as_nanos() as u64;
-    let reclaimable = |e: &FlowEntry| {
-        (e.closed != 0 || e.acked == 0) && now.saturating_sub(e.last_seen_ns) > quiet
-    };
+    let mut table = Reclaimer::open(flows_id, quiet)?;
     let mut found = Vec::new();
     let mut entries = 0;
-    map_batch::for_each(flows_id, |key: FlowKey, entry: FlowEntry| {
+    map_ops::for_each(flows_id, |key: FlowKey, entry: FlowEntry| {
         entries += 1;
-        if reclaimable(&entry) {
+        if table.reclaimable(&entry) {
             found.push(key);
         }
         std::ops::ControlFlow::Continue(())
@@ -72,21 +69,20 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
         entries,
         ..Swept::default()
     };
-    if found.is_empty() {
-        return Ok(swept);
-    }
-    let map = MapData::from_id(flows_id).context("opening the flow table")?;
-    let mut flows: BpfHashMap<MapData, FlowKey, FlowEntry> =
-        BpfHashMap::try_from(Map::LruHashMap(map)).context("opening the flow table")?;
     for key in found {
         // Looked at again just before: since the walk, a SYN may have placed a new connection
-        // on the same tuple, or a packet revived a handshake.
-        let Ok(entry) = flows.get(&key, 0) else {
-            continue;
-        };
-        if !reclaimable(&entry) || flows.remove(&key).is_err() {
+        // on the same tuple, or a packet revived a handshake. Not taken, then: a packet that
+        // came while it was out would be placed anew.
+        if !table
+            .entries
+            .get(&key, 0)
+            .is_ok_and(|e| table.reclaimable(&e))
+        {
             continue;
         }
+        let Some(entry) = table.reclaim(&key)? else {
+            continue;
+        };
         if entry.closed != 0 {
             swept.ended += 1;
         } else if entry.close_claim == 0 {
@@ -94,4 +90,54 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
         }
     }
     Ok(swept)
+}
+
+/// The flow table, to delete quiet entries from as of when it was opened.
+pub struct Reclaimer {
+    entries: BpfHashMap<MapData, FlowKey, FlowEntry>,
+    taken: map_ops::Hash<FlowKey, FlowEntry>,
+    now: u64,
+    quiet: u64,
+}
+
+impl Reclaimer {
+    /// The flow table with map id `flows_id`, whose entries quiet for longer than `quiet`
+    /// that ended or never had their handshake acknowledged may go.
+    pub fn open(flows_id: u32, quiet: Duration) -> Result<Self> {
+        let map = MapData::from_id(flows_id).context("opening the flow table")?;
+        Ok(Reclaimer {
+            entries: BpfHashMap::try_from(Map::LruHashMap(map))
+                .context("opening the flow table")?,
+            taken: map_ops::Hash::open(flows_id).context("opening the flow table")?,
+            now: monotonic_ns(),
+            quiet: quiet.as_nanos() as u64,
+        })
+    }
+
+    fn reclaimable(&self, e: &FlowEntry) -> bool {
+        (e.closed != 0 || e.acked == 0) && self.now.saturating_sub(e.last_seen_ns) > self.quiet
+    }
+
+    /// Deletes `key`'s entry if it may go, and returns it. Taken, then looked at: an entry
+    /// the program wrote since the caller looked (a SYN placed a new connection on the
+    /// tuple) is put back at once, unless a packet placed the flow again meanwhile, rather
+    /// than deleted with the one that could go (its connection's packets would be placed
+    /// anew: another server, perhaps). Taking also reads the close's claim as it was
+    /// deleted, so that a close the program claimed in between is not counted twice.
+    pub fn reclaim(&mut self, key: &FlowKey) -> Result<Option<FlowEntry>> {
+        let Some(entry) = self.taken.take(key)? else {
+            return Ok(None);
+        };
+        if self.reclaimable(&entry) {
+            return Ok(Some(entry));
+        }
+        match self.entries.insert(key, entry, u64::from(BPF_NOEXIST)) {
+            Ok(()) => Ok(None),
+            // The program's own entry for the flow, newer still, stays.
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                Ok(None)
+            }
+            Err(e) => Err(e).context("putting a flow entry back"),
+        }
+    }
 }

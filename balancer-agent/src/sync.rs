@@ -696,7 +696,7 @@ pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Res
     let mut events = Vec::with_capacity(part);
     let mut handed = 0;
     let mut stopped = false;
-    crate::map_batch::for_each(flows_id, |k: FlowKey, e: FlowEntry| {
+    crate::map_ops::for_each(flows_id, |k: FlowKey, e: FlowEntry| {
         if e.synced == 0 || !e.live_at(now) {
             return ControlFlow::Continue(());
         }

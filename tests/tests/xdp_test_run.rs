@@ -688,13 +688,13 @@ fn one_case(h: &mut Harness, n: &Net, c: &Case, verdicts: &mut [u32; 5]) -> Resu
     Ok(())
 }
 
-/// The agent walks the flow table in batches (`map_batch`, for drain statuses and the sync
+/// The agent walks the flow table in batches (`map_ops`, for drain statuses and the sync
 /// dump): it must see every entry once, as aya's iterator (two calls an entry) sees them,
 /// across several batches; stop where its callback breaks; and refuse the wrong types.
 #[test]
 fn the_flow_table_is_walked_in_batches() -> Result<()> {
     in_topology(|| {
-        use balancer_agent::map_batch;
+        use balancer_agent::map_ops;
         use balancer_common::{FlowEntry, FlowKey};
         use std::ops::ControlFlow;
 
@@ -730,7 +730,7 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
             v
         };
         let mut batched = Vec::new();
-        map_batch::for_each(id, |k: FlowKey, e: FlowEntry| {
+        map_ops::for_each(id, |k: FlowKey, e: FlowEntry| {
             batched.push((k, e));
             ControlFlow::Continue(())
         })?;
@@ -753,7 +753,7 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
         );
 
         let mut seen = 0;
-        map_batch::for_each(id, |_: FlowKey, _: FlowEntry| {
+        map_ops::for_each(id, |_: FlowKey, _: FlowEntry| {
             seen += 1;
             if seen == 20_000 {
                 ControlFlow::Break(())
@@ -763,7 +763,7 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
         })?;
         ensure!(seen == 20_000, "the walk went on after a break: {seen}");
 
-        let wrong = map_batch::for_each(id, |_: u64, _: FlowEntry| ControlFlow::Continue(()));
+        let wrong = map_ops::for_each(id, |_: u64, _: FlowEntry| ControlFlow::Continue(()));
         let message = format!("{:#}", wrong.expect_err("8-byte keys"));
         ensure!(message.contains("40-byte keys"), "{message}");
         Ok(())
@@ -772,7 +772,8 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
 
 /// The sweep (`sweep.rs`) deletes the entries of connections that ended and of handshakes
 /// never acknowledged once they are quiet for `QUIET`, and counts the unanswered ones closed
-/// on their backend; it keeps every open connection's however quiet, and recent ones.
+/// on their backend; it keeps every open connection's however quiet, and recent ones, and
+/// puts back a new connection's entry placed on a tuple it was deleting.
 #[test]
 fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
     in_topology(|| {
@@ -847,6 +848,37 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
                 },
             "a second sweep found {again:?}"
         );
+
+        // A new connection on a tuple the walk found reclaimable, placed before the entry is
+        // taken: put back as it was, not deleted with the old one's.
+        let fresh = FlowEntry {
+            backend_id: BACKEND,
+            idle_timeout_s: 600,
+            acked: 1,
+            last_seen_ns: recent,
+            ..Default::default()
+        };
+        let mut table = sweep::Reclaimer::open(h.dp.flows_id(), sweep::QUIET)?;
+        h.dp.flow_table().insert(key(0), fresh, 0)?;
+        ensure!(table.reclaim(&key(0))?.is_none(), "a new connection taken");
+        let back = h.dp.flow_table().get(&key(0), 0);
+        ensure!(
+            back.as_ref()
+                .is_ok_and(|e| e.last_seen_ns == recent && e.acked == 1),
+            "a new connection's entry after a sweep: {back:?}"
+        );
+        let ended = FlowEntry {
+            closed: 1,
+            last_seen_ns: quiet,
+            ..fresh
+        };
+        h.dp.flow_table().insert(key(0), ended, 0)?;
+        let taken = table.reclaim(&key(0))?;
+        ensure!(
+            taken.is_some_and(|e| e.closed == 1) && h.dp.flow_table().get(&key(0), 0).is_err(),
+            "an ended connection's entry not taken: {taken:?}"
+        );
+        ensure!(table.reclaim(&key(0))?.is_none(), "taken twice");
         Ok(())
     })
 }

@@ -1,11 +1,13 @@
-//! Reading a whole BPF hash map in batches (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6): one system
-//! call per [`BATCH`] entries. aya 0.14 has no batch operations, and its iterator makes two
-//! calls per entry (next key, then lookup): a drain status walked a million-entry flow table
-//! in 2.3 s that way, 0.6 to 0.7 s in batches (the rest is the kernel's walk of its buckets).
-//! The layout of the call's arguments is aya-obj's kernel bindings.
+//! What aya 0.14 cannot do with a BPF hash map. Reading a whole map in batches
+//! (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6): one system call per [`BATCH`] entries, where aya's
+//! iterator makes two calls per entry (next key, then lookup): a drain status walked a
+//! million-entry flow table in 2.3 s that way, 0.6 to 0.7 s in batches (the rest is the
+//! kernel's walk of its buckets). And taking an entry, reading and deleting it in one call
+//! ([`take`]). The layout of the calls' arguments is aya-obj's kernel bindings.
 
 use std::{
-    mem::size_of,
+    marker::PhantomData,
+    mem::{size_of, MaybeUninit},
     ops::ControlFlow,
     os::fd::{AsFd, AsRawFd},
     ptr,
@@ -13,7 +15,7 @@ use std::{
 
 use anyhow::{bail, ensure, Context, Result};
 use aya::{
-    maps::{MapInfo, MapType},
+    maps::{MapFd, MapInfo, MapType},
     Pod,
 };
 use aya_obj::generated::{bpf_attr, bpf_cmd};
@@ -28,26 +30,78 @@ const MAX_BATCH: usize = 1 << 20;
 /// Calls answered EBUSY or EAGAIN retried in one walk before it fails.
 const BUSY_RETRIES: u32 = 100;
 
+/// A hash map (or LRU hash map) checked to have `K`'s keys and `V`'s values, which is what
+/// makes the system calls below safe: the kernel reads and writes that many bytes.
+pub struct Hash<K, V> {
+    id: u32,
+    fd: MapFd,
+    _entries: PhantomData<fn(K) -> V>,
+}
+
+impl<K: Pod, V: Pod> Hash<K, V> {
+    /// The hash map with id `map_id`.
+    pub fn open(map_id: u32) -> Result<Self> {
+        let info = MapInfo::from_id(map_id).with_context(|| format!("map {map_id}"))?;
+        let kind = info.map_type()?;
+        ensure!(
+            matches!(kind, MapType::Hash | MapType::LruHash),
+            "map {map_id} is a {kind:?}, not a hash map"
+        );
+        let (key_size, value_size) = (size_of::<K>(), size_of::<V>());
+        ensure!(
+            info.key_size() as usize == key_size && info.value_size() as usize == value_size,
+            "map {map_id} has {}-byte keys and {}-byte values, not {key_size} and {value_size}",
+            info.key_size(),
+            info.value_size()
+        );
+        Ok(Hash {
+            id: map_id,
+            fd: info.fd()?,
+            _entries: PhantomData,
+        })
+    }
+
+    /// Deletes `key`'s entry and returns it, in one call (`BPF_MAP_LOOKUP_AND_DELETE_ELEM`,
+    /// Linux 5.14 for hash maps): a program's write between a lookup and a delete of our own
+    /// would be lost. None when there is no entry.
+    pub fn take(&self, key: &K) -> Result<Option<V>> {
+        // SAFETY: as in `for_each`.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        let mut value = MaybeUninit::<V>::zeroed();
+        // SAFETY: writing plain integers into the union's element variant.
+        let args = unsafe { &mut attr.__bindgen_anon_2 };
+        args.map_fd = self.fd.as_fd().as_raw_fd() as u32;
+        args.key = ptr::from_ref(key) as u64;
+        args.__bindgen_anon_1.value = value.as_mut_ptr() as u64;
+        // SAFETY: the kernel reads a key from `key` and writes a value into `value`, of the
+        // sizes `open` checked; both outlive the call.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                bpf_cmd::BPF_MAP_LOOKUP_AND_DELETE_ELEM as libc::c_long,
+                ptr::from_mut(&mut attr),
+                size_of::<bpf_attr>() as libc::c_uint,
+            )
+        };
+        if ret == 0 {
+            // SAFETY: the kernel wrote the value, and any bytes are a valid V (Pod).
+            return Ok(Some(unsafe { value.assume_init() }));
+        }
+        match std::io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            e => Err(e).with_context(|| format!("taking an entry of map {}", self.id)),
+        }
+    }
+}
+
 /// Hands every entry of the hash map with id `map_id` to `f`, until it breaks. Entries that
 /// come and go during the walk may be seen or not, as with any walk of a live map.
 pub fn for_each<K: Pod, V: Pod>(
     map_id: u32,
     mut f: impl FnMut(K, V) -> ControlFlow<()>,
 ) -> Result<()> {
-    let info = MapInfo::from_id(map_id).with_context(|| format!("map {map_id}"))?;
-    let kind = info.map_type()?;
-    ensure!(
-        matches!(kind, MapType::Hash | MapType::LruHash),
-        "map {map_id} is a {kind:?}, not a hash map"
-    );
+    let Hash { fd, .. } = Hash::<K, V>::open(map_id)?;
     let (key_size, value_size) = (size_of::<K>(), size_of::<V>());
-    ensure!(
-        info.key_size() as usize == key_size && info.value_size() as usize == value_size,
-        "map {map_id} has {}-byte keys and {}-byte values, not {key_size} and {value_size}",
-        info.key_size(),
-        info.value_size()
-    );
-    let fd = info.fd()?;
     let mut batch = BATCH;
     let mut keys = vec![0u8; batch * key_size];
     let mut values = vec![0u8; batch * value_size];
