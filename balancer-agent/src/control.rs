@@ -201,7 +201,6 @@ pub struct PeerRow {
     pub problem: Option<String>,
     /// The live flows it sent this agent when it started, once it said it sent them all
     /// (absent from an older agent's answer).
-    #[serde(default)]
     pub flows_at_start: Option<u64>,
 }
 

@@ -220,7 +220,6 @@ pub struct Controller {
     reclaimed: [u64; 2],
     /// Entries in the flow table at the last sweep's walk.
     flow_entries: Option<u64>,
-    started: Instant,
     /// Once ready, the answer then, for the rest of the run (`ready.rs`).
     ready: Option<Readiness>,
 }
@@ -287,7 +286,6 @@ impl Controller {
             affinity: HashMap::new(),
             vip_ids: HashMap::new(),
             sync_stats: None,
-            started: now,
             ready: None,
         };
         c.adopt(config, &plan, &HashSet::new());
@@ -1214,10 +1212,12 @@ impl Controller {
             })
             .collect();
         let now = Instant::now();
-        let peers = (self.sync_stats.as_ref())
-            .map(|s| s.peers.rows(now))
-            .unwrap_or_default();
-        let r = ready::assess(&pools, &peers, now.duration_since(self.started));
+        let (peers, asked) = match &self.sync_stats {
+            Some(s) => (s.peers.rows(now), s.asked.get().copied()),
+            None => (Vec::new(), None),
+        };
+        let since_asked = asked.map(|at| now.saturating_duration_since(at));
+        let r = ready::assess(&pools, &peers, since_asked);
         if r.ready {
             info!(notes = ?r.notes, "ready to take traffic");
             self.ready = Some(r.clone());

@@ -690,7 +690,10 @@ fn for_parser(line: &str) -> String {
         out.push_str(part);
     }
     let labels = tail.strip_prefix('{').filter(|_| !rest.starts_with('#'));
-    match labels.and_then(labels_for_parser) {
+    // A set with nothing after it but the name's continuation (`a{}_ 1`) is not a sample:
+    // dropped, it would join the two into a name that is one (`a_ 1`).
+    let separated = |(_, after): &(String, &str)| after.starts_with(char::is_whitespace);
+    match labels.and_then(labels_for_parser).filter(separated) {
         Some((labels, after)) => {
             if !labels.is_empty() {
                 out.push('{');
@@ -1972,6 +1975,21 @@ process_cpu_seconds_total 12.5
         ] {
             assert_eq!(labels_for_parser(not_labels), None, "{not_labels}");
         }
+        // An empty set goes; not when the name goes on after it, which is no sample.
+        assert_eq!(for_parser("a{} 1"), "a 1");
+        assert_eq!(for_parser("a{}_ NaN"), "a{}_ NaN");
+        let joined = PLAIN.replace(
+            "inference_requests_running 2",
+            "inference{}_requests_running 2",
+        );
+        assert!(matches!(
+            parse_lines(&joined, None, false),
+            Err(DialectError::Syntax {
+                line: _,
+                reason: "not a sample",
+                ..
+            })
+        ));
     }
 
     /// One change to an exposition: what a broken, truncated or hostile server might send.

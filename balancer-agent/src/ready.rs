@@ -6,11 +6,12 @@
 //! a stream the router moves to it before then reaches another server and is reset.
 //!
 //! Ready once every pool's servers have each been scraped and checked (well or not: a dead
-//! server is known dead), and every peer has said it sent all its live flows, is not heard
-//! (nothing to wait for), or has its datagrams refused; a peer whose end never comes (an
-//! agent from before this news, or lost datagrams) is given up on after [`PEER_WAIT`]. Once
-//! ready, ready until the agent stops: a reload that adds a server, or a peer lost later,
-//! must not take every gateway out of the routes at once.
+//! server is known dead), and every peer has said it sent all its live flows, is silent
+//! (not heard within [`SILENT_AFTER`] of this agent's hello, or lost since: nothing to wait
+//! for), or has its datagrams refused; a peer that is heard but whose end never comes (an
+//! agent from before this news, a walk of its table that failed) is given up on after
+//! [`FLOWS_WAIT`]. Once ready, ready until the agent stops: a reload that adds a server, or
+//! a peer lost later, must not take every gateway out of the routes at once.
 
 use std::time::Duration;
 
@@ -18,12 +19,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     control::{PeerRow, PeerState},
-    sync::SILENT_AFTER,
+    sync::{FLOWS_WAIT, SILENT_AFTER},
 };
-
-/// The longest this agent waits for a peer that is heard to say it sent all its flows: a
-/// full flow table of 4 million entries takes about a minute to send.
-pub const PEER_WAIT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Readiness {
@@ -45,8 +42,9 @@ pub struct PoolStart {
     pub unchecked: usize,
 }
 
-/// Where the start stands `since_start` after it, with `pools` and `peers` as they are.
-pub fn assess(pools: &[PoolStart], peers: &[PeerRow], since_start: Duration) -> Readiness {
+/// Where the start stands with `pools` and `peers` as they are, `since_asked` after this
+/// agent first asked its peers for their flows (none: not yet).
+pub fn assess(pools: &[PoolStart], peers: &[PeerRow], since_asked: Option<Duration>) -> Readiness {
     let mut waiting = Vec::new();
     let mut notes = Vec::new();
     for p in pools {
@@ -65,17 +63,28 @@ pub fn assess(pools: &[PoolStart], peers: &[PeerRow], since_start: Duration) -> 
             notes.push(format!("{name}: sent its {flows} live flows"));
             continue;
         }
+        let Some(since) = since_asked else {
+            waiting.push(format!("{name}: not asked for its flows yet"));
+            continue;
+        };
         let why = match peer.state {
-            _ if since_start >= PEER_WAIT => {
+            PeerState::Up if since >= FLOWS_WAIT => {
                 notes.push(format!(
-                    "{name}: gave up waiting for its flows after {} s (an agent older than \
-                     `ready` never says it sent them all): those it sent are known",
-                    PEER_WAIT.as_secs()
+                    "{name}: gave up waiting for the end of its flows after {} s (an agent \
+                     older than `ready` never says it): those it sent are known here",
+                    FLOWS_WAIT.as_secs()
                 ));
                 continue;
             }
             PeerState::Up => "its flows are coming",
-            PeerState::Silent if since_start < SILENT_AFTER => "not heard yet",
+            PeerState::Silent if since < SILENT_AFTER => "not heard yet",
+            PeerState::Silent if peer.heard_ms_ago.is_some() => {
+                notes.push(format!(
+                    "{name}: lost before it said it sent all its flows: those it sent are \
+                     known here"
+                ));
+                continue;
+            }
             PeerState::Silent => {
                 notes.push(format!(
                     "{name}: not heard from: its flows are not known here"
@@ -108,7 +117,7 @@ mod tests {
         PeerRow {
             peer: "10.4.0.2:7471".into(),
             state,
-            heard_ms_ago: None,
+            heard_ms_ago: (state == PeerState::Up).then_some(300),
             events_in: 0,
             refused: 0,
             send_errors: 0,
@@ -130,8 +139,9 @@ mod tests {
 
     #[test]
     fn waits_for_every_server_and_every_peer_that_can_answer() {
-        let s = Duration::from_secs;
-        // (pool, peer, seconds since the start) -> what it waits for; ready when nothing.
+        let s = |secs| Some(Duration::from_secs(secs));
+        // (pool, peer, seconds since the agent asked for the peers' flows) -> what it waits
+        // for; ready when nothing.
         let cases = [
             (pool(0, 0), None, 0, vec![]),
             (
@@ -179,6 +189,14 @@ mod tests {
                 vec![],
             ),
             (pool(0, 0), Some(peer(PeerState::Refused, None)), 0, vec![]),
+            // Silent or refused long after: nothing to wait for either.
+            (pool(0, 0), Some(peer(PeerState::Silent, None)), 600, vec![]),
+            (
+                pool(0, 0),
+                Some(peer(PeerState::Refused, None)),
+                600,
+                vec![],
+            ),
         ];
         for (i, (pool, peer, since, want)) in cases.into_iter().enumerate() {
             let peers: Vec<PeerRow> = peer.into_iter().collect();
@@ -186,33 +204,44 @@ mod tests {
             assert_eq!(r.waiting, want, "case {i}");
             assert_eq!(r.ready, want.is_empty(), "case {i}");
         }
+        // Before its hello every peer is waited for, whatever it looks like; without peers
+        // only the servers count.
+        let r = assess(&[pool(0, 0)], &[peer(PeerState::Refused, None)], None);
+        assert_eq!(r.waiting, ["10.4.0.2:7471: not asked for its flows yet"]);
+        assert!(assess(&[pool(0, 0)], &[], None).ready);
     }
 
     #[test]
     fn says_what_it_went_ahead_without() {
-        let notes = |state, flows, since| {
-            assess(
-                &[pool(0, 0)],
-                &[peer(state, flows)],
-                Duration::from_secs(since),
-            )
-            .notes
+        let notes = |peer: PeerRow, since| {
+            assess(&[pool(0, 0)], &[peer], Some(Duration::from_secs(since))).notes
         };
         assert_eq!(
-            notes(PeerState::Up, Some(1204), 1),
+            notes(peer(PeerState::Up, Some(1204)), 1),
             ["10.4.0.2:7471: sent its 1204 live flows"]
         );
         assert_eq!(
-            notes(PeerState::Silent, None, 10),
+            notes(peer(PeerState::Silent, None), 600),
             ["10.4.0.2:7471: not heard from: its flows are not known here"]
         );
+        let lost = PeerRow {
+            heard_ms_ago: Some(4000),
+            ..peer(PeerState::Silent, None)
+        };
         assert_eq!(
-            notes(PeerState::Refused, None, 1),
+            notes(lost, 10),
+            [
+                "10.4.0.2:7471: lost before it said it sent all its flows: those it sent are \
+              known here"
+            ]
+        );
+        assert_eq!(
+            notes(peer(PeerState::Refused, None), 1),
             [
                 "10.4.0.2:7471: its datagrams are refused: its tag does not match: its flows are \
               not known here"
             ]
         );
-        assert!(notes(PeerState::Up, None, 120)[0].contains("gave up waiting"));
+        assert!(notes(peer(PeerState::Up, None), 120)[0].contains("gave up waiting"));
     }
 }

@@ -109,6 +109,12 @@ pub async fn run(config_path: &Path) -> Result<()> {
         attach(controller.dataplane())?;
     }
     controller.set_api_keys(api_keys);
+    // Before any task runs: `ready` must see the peers from the first.
+    let sharing = sharing.map(|(socket, keys, peers)| {
+        let stats = Arc::new(sync::Stats::new(&peers));
+        controller.share_stats(stats.clone());
+        (socket, keys, peers, stats)
+    });
     let ctl = Arc::new(Mutex::new(controller));
     info!(
         pools = config.pool.len(),
@@ -128,11 +134,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tasks.spawn("metrics endpoint", export(listener, ctl.clone()));
     }
     let mut sharing_with = None;
-    if let Some((socket, keys, peers)) = sharing {
-        let stats = Arc::new(sync::Stats::new(&peers));
+    if let Some((socket, keys, peers, stats)) = sharing {
         let (ring, flows_id) = {
             let mut c = lock(&ctl);
-            c.share_stats(stats.clone());
             let dp = c.dataplane();
             (dp.take_flow_events(), dp.flows_id())
         };

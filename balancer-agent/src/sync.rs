@@ -29,7 +29,7 @@ use std::{
     path::Path,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, PoisonError, RwLock,
+        Arc, Mutex, OnceLock, PoisonError, RwLock,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -150,9 +150,18 @@ pub struct Batch {
     /// The sender has just started and asks for the receiver's live flows.
     pub hello: bool,
     pub events: Vec<Event>,
-    /// In the trailer (not in the batch's own encoding, which agents before it read).
+    /// In the [`Trailer`] (not in the batch's own encoding, which agents before it read).
     #[serde(skip)]
     pub dumped: Option<Dumped>,
+}
+
+/// What follows the batch in a datagram: fields added after the first version, each one
+/// only ever appended (postcard reads the fields a type has and leaves what follows, so an
+/// agent reads what it knows of a later agent's trailer, and one before any trailer reads
+/// only the batch).
+#[derive(Debug, Serialize, Deserialize)]
+struct Trailer {
+    dumped: Option<Dumped>,
 }
 
 /// The end of the live flows a gateway sent a peer that asked for them (hello).
@@ -268,8 +277,11 @@ pub enum Refused {
 fn body(batch: &Batch) -> Vec<u8> {
     let out =
         postcard::to_extend(batch, vec![VERSION]).expect("a batch always serializes into a Vec");
-    match &batch.dumped {
-        Some(d) => postcard::to_extend(d, out).expect("a trailer always serializes into a Vec"),
+    // Written only when it says something, so that other datagrams are as agents before
+    // it send them.
+    match batch.dumped {
+        Some(d) => postcard::to_extend(&Trailer { dumped: Some(d) }, out)
+            .expect("a trailer always serializes into a Vec"),
         None => out,
     }
 }
@@ -300,10 +312,12 @@ pub fn open(key: &Key, datagram: &[u8], now_ms: u64) -> Result<Batch, Refused> {
     if body[0] != VERSION {
         return Err(Refused::Version(body[0]));
     }
-    let malformed = |e: postcard::Error| Refused::Malformed(e.to_string());
-    let (mut batch, trailer) = postcard::take_from_bytes::<Batch>(&body[1..]).map_err(malformed)?;
-    if !trailer.is_empty() {
-        batch.dumped = Some(postcard::from_bytes(trailer).map_err(malformed)?);
+    let (mut batch, trailer) = postcard::take_from_bytes::<Batch>(&body[1..])
+        .map_err(|e| Refused::Malformed(e.to_string()))?;
+    // A trailer this agent cannot read (it is authentic: the tag covers it) takes nothing
+    // from the batch.
+    if let Ok(t) = postcard::from_bytes::<Trailer>(trailer) {
+        batch.dumped = t.dumped;
     }
     if batch.events.len() > MAX_EVENTS {
         return Err(Refused::TooMany(batch.events.len()));
@@ -398,6 +412,8 @@ pub struct Stats {
     pub backlog: AtomicU64,
     /// Each peer's side of it.
     pub peers: PeerLog,
+    /// When this agent first asked its peers for their flows (its first hello).
+    pub asked: OnceLock<Instant>,
 }
 
 impl Stats {
@@ -412,6 +428,7 @@ impl Stats {
             peers: PeerLog(Mutex::new(
                 peers.iter().map(|p| (*p, Heard::default())).collect(),
             )),
+            asked: OnceLock::new(),
         }
     }
 
@@ -483,6 +500,17 @@ impl PeerLog {
             last.is_none_or(|(_, before, _)| before != kind)
         })
         .unwrap_or(true)
+    }
+
+    /// Whether a peer heard at `now` has not said it sent this agent all its flows: it may
+    /// not have had a hello (lost, or it started later) or restarted while it sent them.
+    pub fn awaiting_flows(&self, now: Instant) -> bool {
+        let peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.iter().any(|(_, h)| {
+            h.dumped.is_none()
+                && h.last
+                    .is_some_and(|(at, _)| now.saturating_duration_since(at) < SILENT_AFTER)
+        })
     }
 
     /// `peer` has sent this agent all its live flows, `flows` of them; whether that is news.
@@ -666,21 +694,29 @@ pub async fn discard_loop(mut ring: RingBuf<MapData>) {
     }
 }
 
-/// Sends every peer an empty batch every [`HEARTBEAT`], until the agent stops. The first
-/// ones ([`HELLO_BEATS`]: datagrams get lost) are hellos, asking for the peer's flows: a
-/// gateway that starts with an empty flow table (a reboot, a new gateway) or missed reports
-/// while its agent was down learns the live ones before traffic moves to it.
+/// Sends every peer an empty batch every [`HEARTBEAT`], until the agent stops. The first is
+/// a hello, asking for the peers' flows: a gateway that starts with an empty flow table (a
+/// reboot, a new gateway) or missed reports while its agent was down learns the live ones
+/// before traffic moves to it. So are the next ones while a peer that is heard has not said
+/// it sent them all, for [`FLOWS_WAIT`]: the hello was lost, the peer started later, or it
+/// restarted while it sent them (a peer sends its flows once per run that asks).
 pub async fn heartbeat_loop(sender: Arc<Sender>) {
     let mut beats = tokio::time::interval(HEARTBEAT);
     beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    for beat in 0u64.. {
+    loop {
         beats.tick().await;
-        sender.beat(HELLO_BEATS.contains(&beat)).await;
+        let now = Instant::now();
+        let asked = *sender.stats.asked.get_or_init(|| now);
+        let hello = asked == now
+            || (now.duration_since(asked) < FLOWS_WAIT && sender.stats.peers.awaiting_flows(now));
+        sender.beat(hello).await;
     }
 }
 
-/// The heartbeats that are hellos: at 0, 1 and 3 s.
-const HELLO_BEATS: [u64; 3] = [0, 1, 3];
+/// How long a starting agent asks its peers for their flows, and waits for each peer that
+/// is heard to say it sent them all (`ready.rs`): a full flow table of 4 million entries
+/// takes about a minute to send.
+pub const FLOWS_WAIT: Duration = Duration::from_secs(120);
 /// Datagrams of a table dump sent per millisecond: about 64,000 flows a second, which the
 /// receiving agent writes into its table as they come.
 const DUMP_PER_MS: usize = 4;
@@ -922,24 +958,29 @@ mod tests {
     /// ignores the rest, and one that has it reads either.
     #[test]
     fn a_dumps_end_is_read_by_new_agents_and_ignored_by_old_ones() {
-        let sent = Batch {
+        let sent = || Batch {
             dumped: Some(Dumped {
                 to: 0x5eed_0001,
                 flows: 1204,
             }),
             ..batch(7, 1_000_000, 0)
         };
-        let datagram = seal(&key(1), &sent);
+        let datagram = seal(&key(1), &sent());
         // As an agent before the trailer opened it: the whole body as a batch.
         let old: Batch = postcard::from_bytes(&datagram[1..datagram.len() - TAG_BYTES]).unwrap();
         assert_eq!(old, batch(7, 1_000_000, 0));
-        assert_eq!(open(&key(1), &datagram, 1_000_000), Ok(sent));
-        let mut cut = body(&batch(7, 1_000_000, 0));
-        cut.push(0xff);
-        assert!(matches!(
-            open(&key(1), &signed(cut), 1_000_000),
-            Err(Refused::Malformed(_))
-        ));
+        assert_eq!(open(&key(1), &datagram, 1_000_000), Ok(sent()));
+        // A later agent's trailer, a field appended: what this one knows of it is read.
+        let mut later = body(&sent());
+        later.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(open(&key(1), &signed(later), 1_000_000), Ok(sent()));
+        // One it cannot read leaves the batch as it is.
+        let mut unreadable = body(&batch(7, 1_000_000, 2));
+        unreadable.extend_from_slice(&[1, 0xff]);
+        assert_eq!(
+            open(&key(1), &signed(unreadable), 1_000_000),
+            Ok(batch(7, 1_000_000, 2))
+        );
     }
 
     #[test]
@@ -1071,6 +1112,32 @@ mod tests {
         // An address that is not a peer's changes nothing.
         log.accepted("10.0.2.9:7471".parse().unwrap(), 9, 5, s(9.0));
         assert_eq!(log.rows(s(9.0)).iter().map(|r| r.events_in).sum::<u64>(), 3);
+    }
+
+    /// Asked again (hellos) while a peer that is heard has not said it sent all its flows:
+    /// its first hello lost, started later, or restarted while it sent them.
+    #[test]
+    fn a_peer_heard_without_its_flows_is_awaited() {
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "10.0.2.2:7471".parse().unwrap(),
+            "10.0.2.3:7471".parse().unwrap(),
+        );
+        let log = Stats::new(&[a, b]).peers;
+        let t0 = Instant::now();
+        let s = |secs: f64| t0 + Duration::from_secs_f64(secs);
+        assert!(!log.awaiting_flows(s(0.0)), "no peer heard: nothing to ask");
+        log.accepted(a, 7, 0, s(0.0));
+        assert!(log.awaiting_flows(s(1.0)));
+        assert!(log.dumped(a, 12), "its end is news once");
+        assert!(!log.dumped(a, 12));
+        assert!(!log.awaiting_flows(s(1.0)));
+        log.accepted(b, 9, 0, s(2.0));
+        assert!(
+            log.awaiting_flows(s(2.0)),
+            "another peer heard without its flows"
+        );
+        assert!(!log.awaiting_flows(s(5.5)), "silent since: nothing to ask");
+        assert_eq!(log.rows(s(5.5))[0].flows_at_start, Some(12));
     }
 
     #[test]

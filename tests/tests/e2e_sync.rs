@@ -84,7 +84,6 @@ fn wait_counter(agent: &Agent, name: &str, at_least: u64) -> Result<u64> {
     }
 }
 
-/// `agent`'s view of its peer at `addr`.
 /// `balancer-agent ready --json`, which exits 1 while not ready.
 fn readiness(agent: &Agent) -> Result<Readiness> {
     let out = agent.cli_command(&["ready", "--json"]).output()?;
@@ -102,6 +101,19 @@ fn readiness(agent: &Agent) -> Result<Readiness> {
     Ok(r)
 }
 
+/// `agent`'s readiness once ready, or after 20 s.
+fn wait_ready(agent: &Agent) -> Result<Readiness> {
+    let asked = Instant::now();
+    loop {
+        let r = readiness(agent)?;
+        if r.ready || asked.elapsed() > Duration::from_secs(20) {
+            return Ok(r);
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `agent`'s view of its peer at `addr`.
 fn peer(agent: &Agent, addr: SocketAddr) -> Result<PeerRow> {
     let peers = agent.peers()?;
     let wanted = addr.to_string();
@@ -186,21 +198,43 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     second_config.agent.metrics_listen = Some(METRICS_LISTEN);
     let spawned = Instant::now();
     let first = Agent::start(topology, binary, &first_config)?;
-    // Its peer has not started: for its first 3.5 s it waits to hear it (an answer that
-    // took longer on a loaded machine says nothing).
+    // About when it first asks its peer for its flows, right after it says it is ready.
+    let first_up = Instant::now();
+    // Its peer has not started: for the first 3.5 s after it asks, it waits to hear it (an
+    // answer that took longer on a loaded machine says nothing).
     let early = readiness(&first)?;
     println!(
         "the first gateway, {:.1} s after its start: {early:?}",
         spawned.elapsed().as_secs_f64()
     );
     if spawned.elapsed() < Duration::from_secs(3) {
-        let wanted = format!("{}: not heard yet", side[1]);
+        let waits = |w: &str| {
+            ["not heard yet", "not asked for its flows yet"]
+                .map(|why| format!("{}: {why}", side[1]))
+                .contains(&w.to_owned())
+        };
         ensure!(
-            !early.ready && early.waiting.contains(&wanted),
+            !early.ready && early.waiting.iter().any(|w| waits(w)),
             "the first gateway must wait to hear its peer at first: {early:?}"
         );
     }
     let second = Agent::start_in(topology, topology.gw2()?, "agent2", binary, &second_config)?;
+    // The second started after the first asked for its flows: heard in time (within 3.5 s
+    // of that, as it is unless the machine is loaded), asked again, it says it has none,
+    // and the first is ready.
+    let second_up = first_up.elapsed();
+    let ready = wait_ready(&first)?;
+    println!(
+        "the first gateway, its peer up {:.1} s after it: {ready:?}",
+        second_up.as_secs_f64()
+    );
+    if second_up < Duration::from_secs(3) {
+        let told = format!("{}: sent its 0 live flows", side[1]);
+        ensure!(
+            ready.ready && ready.notes.contains(&told),
+            "the first gateway must have heard from the later second: {ready:?}"
+        );
+    }
     let both = [&first, &second];
 
     drain(&both, SPARE, true)?;
@@ -279,13 +313,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     // Ready once its servers are checked and the first said it sent all its flows: the
     // streams among them, written before the end came.
     let asked = Instant::now();
-    let ready = loop {
-        let r = readiness(&second)?;
-        if r.ready || asked.elapsed() > Duration::from_secs(20) {
-            break r;
-        }
-        thread::sleep(Duration::from_millis(100));
-    };
+    let ready = wait_ready(&second)?;
     let applied = second.counter("sync_applied")?;
     let sent = peer(&second, side[0])?.flows_at_start;
     println!(
