@@ -272,8 +272,8 @@ fn header(
          into it (2026-12-02 05:20), the tail was not the gateway's work: in five rounds of ours and nftables alone the \
          two were level (medians 2.46 and 2.34 ms), no CPU's softirq ran out of budget \
          (`time_squeeze` in `/proc/net/softnet_stat` unchanged), nothing was dropped, \
-         ksoftirqd ran for a tick or two, and stopping the agent changed nothing. The p50 is \
-         steady, within a few percent of nftables' or ahead.\n\
+         ksoftirqd ran for a tick or two, and stopping the agent changed nothing. Ours had \
+         the lowest p50 in 18 of the first 21 runs.\n\
          - bulk throughput, where it is missed: the loss rows of section 2 show why. Forwarded \
          (ours, nftables), a stream is one TCP connection from a backend to the client, and a \
          packet lost anywhere on the way makes the backend retransmit and back off; HAProxy \
