@@ -49,6 +49,9 @@ pub enum Request {
     Reload,
     /// Whether this gateway should take traffic yet (`ready.rs`).
     Ready,
+    /// Say not ready, whatever else, until `Restore`: the routers take the gateway out.
+    Withdraw,
+    Restore,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

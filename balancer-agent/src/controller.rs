@@ -31,6 +31,9 @@ use crate::{
 /// A server is identified by its pool and its API address.
 pub type ServerKey = (String, SocketAddr);
 
+/// What `ready` waits for while the gateway is withdrawn.
+const WITHDRAWN: &str = "withdrawn by the operator: `balancer-agent restore` takes it back";
+
 /// Metrics older than this many scrape intervals are stale.
 const STALE_INTERVALS: u32 = 3;
 
@@ -68,6 +71,8 @@ struct Server {
     health: String,
     /// A health check's result came, good or not.
     checked: bool,
+    /// A check passed, or found it busy: it is alive, whatever comes next.
+    answered: bool,
     model: Option<String>,
     /// The most requests it was seen running: its slots, when the pool does not say.
     max_running: f64,
@@ -133,6 +138,7 @@ impl Server {
             scrape_error: None,
             health: "not checked yet".into(),
             checked: false,
+            answered: false,
             model: pool.model.clone(),
             max_running: 0.0,
             progress: None,
@@ -222,6 +228,9 @@ pub struct Controller {
     flow_entries: Option<u64>,
     /// Once ready, the answer then, for the rest of the run (`ready.rs`).
     ready: Option<Readiness>,
+    /// The operator took the gateway out of the routes (`withdraw`): not ready until
+    /// `restore`, whatever else.
+    withdrawn: bool,
 }
 
 impl Controller {
@@ -287,6 +296,7 @@ impl Controller {
             vip_ids: HashMap::new(),
             sync_stats: None,
             ready: None,
+            withdrawn: false,
         };
         c.adopt(config, &plan, &HashSet::new());
         let states =
@@ -876,6 +886,7 @@ impl Controller {
                 s.model = None;
             }
             s.checked = true;
+            s.answered |= outcome != Outcome::Failed;
             s.health = match (&result, outcome, hung) {
                 (Ok(()), _, _) => "ok".into(),
                 (Err(e), Outcome::Busy, _) => format!("busy (queue or every slot taken): {e:#}"),
@@ -1123,7 +1134,7 @@ impl Controller {
     /// Takes what a sweep of the flow table deleted: the closes of the handshakes that never
     /// completed are counted, as the program counts a connection's close.
     pub fn reclaimed(&mut self, swept: &crate::sweep::Swept) {
-        for (&id, &n) in &swept.unanswered {
+        for (&id, &n) in swept.unanswered.iter().chain(&swept.replaced) {
             self.dp.count_closes(id, n);
         }
         self.reclaimed[0] += swept.ended;
@@ -1188,8 +1199,19 @@ impl Controller {
         (applied, unknown)
     }
 
-    /// Whether the gateway should take traffic yet; once it should, until the agent stops.
+    /// Whether the gateway should take traffic: not until its start is complete, then until
+    /// the agent stops, but while the operator has it withdrawn.
     pub fn readiness(&mut self) -> Readiness {
+        let mut r = self.started();
+        if self.withdrawn {
+            r.ready = false;
+            r.waiting.insert(0, WITHDRAWN.into());
+        }
+        r
+    }
+
+    /// Whether the start is complete (`ready.rs`); once it is, for the rest of the run.
+    fn started(&mut self) -> Readiness {
         if let Some(ready) = &self.ready {
             return ready.clone();
         }
@@ -1208,6 +1230,9 @@ impl Controller {
                         .filter(|s| s.reading_at.is_none() && s.scrape_error.is_none())
                         .count(),
                     unchecked: servers().filter(|s| !s.checked).count(),
+                    failing: servers()
+                        .filter(|s| s.checked && !s.answered && !s.track.down)
+                        .count(),
                 }
             })
             .collect();
@@ -1229,6 +1254,7 @@ impl Controller {
     pub fn snapshot(&mut self) -> crate::exporter::Snapshot {
         crate::exporter::Snapshot {
             ready: self.readiness().ready,
+            hints: self.pool_hints(),
             counters: self.counters().unwrap_or_default(),
             reclaimed: self.reclaimed_counters(),
             sync: self.sync_counters(),
@@ -1242,6 +1268,30 @@ impl Controller {
                 .map(|n| (n, self.config.agent.flow_table_entries)),
             pools: self.show_all(),
         }
+    }
+
+    /// The hinted connections of every pool that takes hints, in the file's order.
+    fn pool_hints(&self) -> Vec<crate::exporter::PoolHints> {
+        let mut all = Vec::new();
+        for pool in &self.config.pool {
+            let (Some(aff), Some(&vip_id)) =
+                (self.affinity.get(&pool.name), self.vip_ids.get(&pool.name))
+            else {
+                continue;
+            };
+            let mut h = crate::exporter::PoolHints {
+                pool: pool.name.clone(),
+                ..Default::default()
+            };
+            for b in 0..aff.range.buckets {
+                let s = self.dp.bucket_stats(vip_id, b).unwrap_or_default();
+                h.hinted += s.hinted;
+                h.spilled += s.spilled;
+                h.home += s.picks[0];
+            }
+            all.push(h);
+        }
+        all
     }
 
     /// Every pool as `show` tells it, in the file's order.
@@ -1286,6 +1336,28 @@ impl Controller {
                 )),
             },
             Ready => Ok(Response::Ready(self.readiness())),
+            Withdraw | Restore => {
+                let withdraw = matches!(request, Withdraw);
+                let message = match (self.withdrawn, withdraw) {
+                    (true, true) => "already withdrawn: `balancer-agent restore` takes it back",
+                    (false, false) => "not withdrawn",
+                    (false, true) => {
+                        warn!(
+                            "withdrawn by the operator: not ready until `balancer-agent restore`"
+                        );
+                        "withdrawn: `ready` and GET /ready say no, so that the routers take this \
+                         gateway out; forwarding, checks and flow sharing go on"
+                    }
+                    (true, false) => {
+                        info!("restored by the operator");
+                        "restored: `ready` and GET /ready say as they did before `withdraw`"
+                    }
+                };
+                self.withdrawn = withdraw;
+                Ok(Response::Done {
+                    message: message.into(),
+                })
+            }
             // It reads the file the agent started with: `run` answers it.
             Reload => Err(anyhow::anyhow!(
                 "a reload is the running agent's to answer, not its controller's"

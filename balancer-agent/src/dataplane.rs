@@ -620,10 +620,16 @@ impl Dataplane {
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
         let pin = self.pins.as_ref().map(|p| p.link(name));
         let attached = match self.xdp_mode {
-            config::XdpMode::Native => self
-                .program()
-                .attach(name, XdpMode::Driver)
-                .with_context(|| format!("attaching to {name} in native mode (agent.xdp_mode)")),
+            config::XdpMode::Native => {
+                self.program()
+                    .attach(name, XdpMode::Driver)
+                    .with_context(|| {
+                        format!(
+                            "attaching to {name} in native mode (agent.xdp_mode){}",
+                            mtu_hint(name)
+                        )
+                    })
+            }
             config::XdpMode::Generic => self.attach_generic(name, None),
             config::XdpMode::Auto => match self.program().attach(name, XdpMode::Driver) {
                 Ok(link) => Ok(link),
@@ -650,7 +656,10 @@ impl Dataplane {
     /// tried. (The kernel does no GRO where a generic program runs: it sees the frames as
     /// they came.)
     fn attach_generic(&mut self, name: &str, native: Option<ProgramError>) -> Result<XdpLinkId> {
-        let why = native.map(|e| format!(" (native mode failed: {:#})", anyhow::Error::from(e)));
+        let why = native.map(|e| {
+            let e = anyhow::Error::from(e);
+            format!(" (native mode failed: {e:#}{})", mtu_hint(name))
+        });
         let link = self.program().attach(name, XdpMode::Skb).with_context(|| {
             format!(
                 "attaching to {name} in generic mode{}",
@@ -1041,6 +1050,27 @@ fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<
         failed = failed.and(removed);
     }
     failed
+}
+
+/// The largest MTU at which most drivers (veth, mlx5, ice, ...) run an XDP program without
+/// multi-buffer support, as ours is: a frame must fit a page, less the headroom and the
+/// kernel's own tail (veth's limit is 3506 with 4 KiB pages).
+const SINGLE_BUFFER_MTU: u32 = 3500;
+
+/// What to say after a refusal of native XDP on interface `name` when its MTU is past
+/// [`SINGLE_BUFFER_MTU`] (jumbo frames), the likely reason; nothing otherwise.
+fn mtu_hint(name: &str) -> String {
+    let mtu = std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
+        .ok()
+        .and_then(|m| m.trim().parse::<u32>().ok());
+    match mtu {
+        Some(mtu) if mtu > SINGLE_BUFFER_MTU => format!(
+            "; its MTU is {mtu}, and most drivers run an XDP program without multi-buffer \
+             support, as this one is, only up to about {SINGLE_BUFFER_MTU}: lower the MTU, or \
+             use agent.xdp_mode = \"generic\""
+        ),
+        _ => String::new(),
+    }
 }
 
 /// `e`, from attaching to interface `name`, saying what to do when the kernel refused

@@ -690,10 +690,12 @@ fn for_parser(line: &str) -> String {
         out.push_str(part);
     }
     let labels = tail.strip_prefix('{').filter(|_| !rest.starts_with('#'));
-    // A set with nothing after it but the name's continuation (`a{}_ 1`) is not a sample:
-    // dropped, it would join the two into a name that is one (`a_ 1`).
-    let separated = |(_, after): &(String, &str)| after.starts_with(char::is_whitespace);
-    match labels.and_then(labels_for_parser).filter(separated) {
+    // An empty set followed by the name's continuation (`a{}_ 1`) is not a sample: dropped,
+    // it would join the two into a name that is one (`a_ 1`).
+    let joins = |(labels, after): &(String, &str)| {
+        labels.is_empty() && !after.starts_with(char::is_whitespace)
+    };
+    match labels.and_then(labels_for_parser).filter(|l| !joins(l)) {
         Some((labels, after)) => {
             if !labels.is_empty() {
                 out.push('{');

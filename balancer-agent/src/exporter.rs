@@ -39,6 +39,20 @@ pub struct Snapshot {
     pub pools: Vec<PoolView>,
     /// Whether the gateway should take traffic yet (`ready.rs`).
     pub ready: bool,
+    /// The pools that take hints, in the file's order.
+    pub hints: Vec<PoolHints>,
+}
+
+/// A pool's hinted connections since its maps were made, summed over its hint buckets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolHints {
+    pub pool: String,
+    /// SYNs from a hint port.
+    pub hinted: u64,
+    /// Of those, the ones placed on their bucket's home.
+    pub home: u64,
+    /// And the others (spilled from a home past a threshold, or placed by the weighted pick).
+    pub spilled: u64,
 }
 
 /// The text exposition of `snapshot`.
@@ -205,6 +219,32 @@ impl Collector for Snapshot {
         }
         if !self.peers.is_empty() {
             self.encode_peers(&mut encoder)?;
+        }
+        for (name, help, value) in [
+            (
+                "pool_hinted",
+                "Connections opened from a hint port (SYNs), per pool.",
+                (|h: &PoolHints| h.hinted) as fn(&PoolHints) -> u64,
+            ),
+            (
+                "pool_hinted_home",
+                "Hinted connections placed on their bucket's home (where the prefix is \
+                 cached): over pool_hinted, the affinity's hit rate.",
+                |h| h.home,
+            ),
+            (
+                "pool_hinted_spilled",
+                "Hinted connections not placed on their bucket's home: spilled to a warm \
+                 alternate past the home's waiting or TTFT threshold, or placed by the weighted \
+                 pick.",
+                |h| h.spilled,
+            ),
+        ] {
+            let values = self.hints.iter().map(|h| {
+                let labels: Labels = vec![("pool", h.pool.clone())];
+                (labels, value(h))
+            });
+            counters(&mut encoder, name, help, values)?;
         }
         gauge(
             &mut encoder,
@@ -542,6 +582,12 @@ mod tests {
             ],
             flow_table: Some((1200, 262144)),
             ready: true,
+            hints: vec![PoolHints {
+                pool: "chat-pool".into(),
+                hinted: 40,
+                home: 31,
+                spilled: 6,
+            }],
             pools: vec![PoolView {
                 pool: "chat-pool".into(),
                 vip: "192.0.2.60:8000".into(),
@@ -593,6 +639,9 @@ mod tests {
         assert_eq!(value("balancer_sync_events_total", None), [7.0]);
         assert_eq!(value("balancer_agent_events_total", None), [5.0]);
         assert_eq!(value("balancer_ready", None), [1.0]);
+        assert_eq!(value("balancer_pool_hinted_total", None), [40.0]);
+        assert_eq!(value("balancer_pool_hinted_home_total", None), [31.0]);
+        assert_eq!(value("balancer_pool_hinted_spilled_total", None), [6.0]);
         assert_eq!(value("balancer_flow_table_entries", None), [1200.0]);
         assert_eq!(value("balancer_flow_table_size", None), [262144.0]);
         assert_eq!(

@@ -153,6 +153,20 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
+    /// Take this gateway out of the routes for maintenance: `ready` and `GET /ready` say no
+    /// until `restore` (or the agent restarts), while it goes on forwarding, checking and
+    /// sharing flows, so that the routers move its connections to the other gateways.
+    Withdraw {
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Undo `withdraw`.
+    Restore {
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
         /// Machine-readable output.
@@ -205,6 +219,15 @@ fn refusal(message: String) -> anyhow::Error {
         );
     }
     anyhow::anyhow!(message)
+}
+
+/// Asks `request`, which the agent answers with what it did, and prints that.
+fn say_done(socket: &Path, request: &Request) -> Result<()> {
+    match ask(socket, request)? {
+        Response::Done { message } => println!("{message}"),
+        other => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(())
 }
 
 fn execute(command: Command) -> Result<()> {
@@ -394,6 +417,8 @@ fn execute(command: Command) -> Result<()> {
             }
             Ok(())
         }
+        Command::Withdraw { socket } => say_done(&socket, &Request::Withdraw),
+        Command::Restore { socket } => say_done(&socket, &Request::Restore),
         Command::Ready { json, socket } => {
             let Response::Ready(r) = ask(&socket, &Request::Ready)? else {
                 bail!("unexpected answer from the agent");

@@ -62,8 +62,8 @@ impl<K: Pod, V: Pod> Hash<K, V> {
     }
 
     /// Deletes `key`'s entry and returns it, in one call (`BPF_MAP_LOOKUP_AND_DELETE_ELEM`,
-    /// Linux 5.14 for hash maps): a program's write between a lookup and a delete of our own
-    /// would be lost. None when there is no entry.
+    /// Linux 5.14 for hash maps): a program's update of the entry between a lookup and a
+    /// delete of our own would be lost with it. None when there is no entry.
     pub fn take(&self, key: &K) -> Result<Option<V>> {
         // SAFETY: as in `for_each`.
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };

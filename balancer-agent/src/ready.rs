@@ -5,8 +5,10 @@
 //! back from a reboot knows none of its peers' streams until they have sent them (`[sync]`):
 //! a stream the router moves to it before then reaches another server and is reset.
 //!
-//! Ready once every pool's servers have each been scraped and checked (well or not: a dead
-//! server is known dead), and every peer has said it sent all its live flows, is silent
+//! Ready once every pool's servers have each been scraped (well or not) and have each
+//! passed a check, been found busy, or gone DOWN (a dead server is known dead: it takes no
+//! connection once traffic comes; the failures that take it DOWN are still `fall` in a
+//! row), and every peer has said it sent all its live flows, is silent
 //! (not heard within [`SILENT_AFTER`] of this agent's hello, or lost since: nothing to wait
 //! for), or has its datagrams refused; a peer that is heard but whose end never comes (an
 //! agent from before this news, a walk of its table that failed) is given up on after
@@ -40,6 +42,8 @@ pub struct PoolStart {
     pub unscraped: usize,
     /// Servers with no health check done yet, good or failed.
     pub unchecked: usize,
+    /// Servers whose checks all failed so far, not yet DOWN.
+    pub failing: usize,
 }
 
 /// Where the start stands with `pools` and `peers` as they are, `since_asked` after this
@@ -48,10 +52,14 @@ pub fn assess(pools: &[PoolStart], peers: &[PeerRow], since_asked: Option<Durati
     let mut waiting = Vec::new();
     let mut notes = Vec::new();
     for p in pools {
-        for (n, what) in [(p.unscraped, "scraped"), (p.unchecked, "health-checked")] {
+        for (n, what) in [
+            (p.unscraped, "not scraped yet"),
+            (p.unchecked, "not health-checked yet"),
+            (p.failing, "failing their checks, not DOWN yet"),
+        ] {
             if n > 0 {
                 waiting.push(format!(
-                    "pool {}: {n} of {} servers not {what} yet",
+                    "pool {}: {n} of {} servers {what}",
                     p.pool, p.servers
                 ));
             }
@@ -134,6 +142,7 @@ mod tests {
             servers: 4,
             unscraped,
             unchecked,
+            failing: 0,
         }
     }
 
@@ -158,6 +167,15 @@ mod tests {
                 None,
                 600,
                 vec!["pool chat: 2 of 4 servers not health-checked yet"],
+            ),
+            (
+                PoolStart {
+                    failing: 1,
+                    ..pool(0, 0)
+                },
+                None,
+                0,
+                vec!["pool chat: 1 of 4 servers failing their checks, not DOWN yet"],
             ),
             (pool(0, 0), Some(peer(PeerState::Up, Some(1204))), 1, vec![]),
             (

@@ -641,9 +641,16 @@ async fn sweep_loop(ctl: Shared, flows_id: u32) {
         let started = std::time::Instant::now();
         match spawn_blocking(move || sweep::sweep(flows_id, sweep::QUIET)).await {
             Ok(Ok(swept)) => {
-                failing = false;
                 debug!(ended = swept.ended, unanswered = swept.unanswered_total(), took = ?started.elapsed(), "flow table swept");
                 lock(&ctl).reclaimed(&swept);
+                match &swept.failed {
+                    None => failing = false,
+                    Some(e) if !failing => {
+                        failing = true;
+                        warn!("deleting from the flow table failed, retrying: {e}");
+                    }
+                    Some(_) => {}
+                }
             }
             // Once per failing streak: it is tried again at every sweep.
             Ok(Err(e)) if !failing => {

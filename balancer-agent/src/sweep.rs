@@ -36,11 +36,32 @@ pub struct Swept {
     /// Entries of handshakes that never completed, per backend id, whose close no one had
     /// counted: the program counted them opened, so the agent counts them closed.
     pub unanswered: HashMap<u32, u64>,
+    /// Entries of connections taken out while the program placed their flow again (see
+    /// [`Reclaimed::Replaced`]), per backend id, whose close no one had counted: the new
+    /// entry counts an open of its own, so the agent counts this one closed.
+    pub replaced: HashMap<u32, u64>,
+    /// Why a deletion failed, if one did: the sweep stopped there (the next one goes on),
+    /// and what it did before is counted.
+    pub failed: Option<String>,
 }
 
 impl Swept {
     pub fn unanswered_total(&self) -> u64 {
         self.unanswered.values().sum()
+    }
+
+    fn note(&mut self, reclaimed: Reclaimed) {
+        let count = |closes: &mut HashMap<u32, u64>, e: FlowEntry| {
+            if e.close_claim == 0 {
+                *closes.entry(e.backend_id).or_default() += 1;
+            }
+        };
+        match reclaimed {
+            Reclaimed::Deleted(e) if e.closed != 0 => self.ended += 1,
+            Reclaimed::Deleted(e) => count(&mut self.unanswered, e),
+            Reclaimed::Replaced(e) => count(&mut self.replaced, e),
+            Reclaimed::Gone | Reclaimed::PutBack => {}
+        }
     }
 }
 
@@ -51,8 +72,8 @@ pub fn pause(took: Duration) -> Duration {
 
 /// Deletes from the flow table with map id `flows_id` the entries quiet for longer than
 /// `quiet` that ended or never had their handshake acknowledged. Walks the whole table (in
-/// batches) and then deletes one entry a system call: run it on a blocking thread, without
-/// the controller's lock.
+/// batches) and then looks at each such entry again and takes it, two system calls an entry:
+/// run it on a blocking thread, without the controller's lock.
 pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
     let mut table = Reclaimer::open(flows_id, quiet)?;
     let mut found = Vec::new();
@@ -80,16 +101,29 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
         {
             continue;
         }
-        let Some(entry) = table.reclaim(&key)? else {
-            continue;
-        };
-        if entry.closed != 0 {
-            swept.ended += 1;
-        } else if entry.close_claim == 0 {
-            *swept.unanswered.entry(entry.backend_id).or_default() += 1;
+        match table.reclaim(&key) {
+            Ok(reclaimed) => swept.note(reclaimed),
+            Err(e) => {
+                swept.failed = Some(format!("{e:#}"));
+                break;
+            }
         }
     }
     Ok(swept)
+}
+
+/// What [`Reclaimer::reclaim`] did with an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reclaimed {
+    /// There was none.
+    Gone,
+    /// Deleted: it could go.
+    Deleted(FlowEntry),
+    /// Taken and put back: the program wrote a new connection into it since it was looked at.
+    PutBack,
+    /// Taken, not put back: the program placed the flow again while it was out (its packet
+    /// found no entry), and that entry stays.
+    Replaced(FlowEntry),
 }
 
 /// The flow table, to delete quiet entries from as of when it was opened.
@@ -118,26 +152,72 @@ impl Reclaimer {
         (e.closed != 0 || e.acked == 0) && self.now.saturating_sub(e.last_seen_ns) > self.quiet
     }
 
-    /// Deletes `key`'s entry if it may go, and returns it. Taken, then looked at: an entry
-    /// the program wrote since the caller looked (a SYN placed a new connection on the
-    /// tuple) is put back at once, unless a packet placed the flow again meanwhile, rather
-    /// than deleted with the one that could go (its connection's packets would be placed
-    /// anew: another server, perhaps). Taking also reads the close's claim as it was
-    /// deleted, so that a close the program claimed in between is not counted twice.
-    pub fn reclaim(&mut self, key: &FlowKey) -> Result<Option<FlowEntry>> {
+    /// Deletes `key`'s entry if it may go. Taken, then looked at: an entry the program
+    /// rewrote since the caller looked (a SYN placed a new connection on the tuple) is put
+    /// back at once, rather than deleted with the one that could go (its connection's packets
+    /// would be placed anew: another server, perhaps). That narrows the window a separate
+    /// look and delete leave to the taking itself; a program that writes into the entry in
+    /// place while it is taken (it found it just before) writes into the copy that goes.
+    pub fn reclaim(&mut self, key: &FlowKey) -> Result<Reclaimed> {
         let Some(entry) = self.taken.take(key)? else {
-            return Ok(None);
+            return Ok(Reclaimed::Gone);
         };
         if self.reclaimable(&entry) {
-            return Ok(Some(entry));
+            return Ok(Reclaimed::Deleted(entry));
         }
+        Ok(match self.put_back(key, entry)? {
+            true => Reclaimed::PutBack,
+            false => Reclaimed::Replaced(entry),
+        })
+    }
+
+    /// Writes `entry` for `key` if there is none; whether it did (else the program's own
+    /// entry for the flow, newer still, stays).
+    pub fn put_back(&mut self, key: &FlowKey, entry: FlowEntry) -> Result<bool> {
         match self.entries.insert(key, entry, u64::from(BPF_NOEXIST)) {
-            Ok(()) => Ok(None),
-            // The program's own entry for the flow, newer still, stays.
+            Ok(()) => Ok(true),
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
-                Ok(None)
+                Ok(false)
             }
             Err(e) => Err(e).context("putting a flow entry back"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Closes are counted once, where no one counted them: an unanswered handshake's, and
+    /// that of a connection taken out while the program placed its flow again.
+    #[test]
+    fn what_was_taken_is_counted_where_its_close_was_not() {
+        let entry = |closed, close_claim| FlowEntry {
+            backend_id: 7,
+            closed,
+            close_claim,
+            ..FlowEntry::default()
+        };
+        let mut swept = Swept::default();
+        for r in [
+            Reclaimed::Deleted(entry(1, 1)),
+            Reclaimed::Deleted(entry(0, 0)),
+            Reclaimed::Deleted(entry(0, 1)),
+            Reclaimed::Replaced(entry(0, 0)),
+            Reclaimed::Replaced(entry(1, 1)),
+            Reclaimed::PutBack,
+            Reclaimed::Gone,
+        ] {
+            swept.note(r);
+        }
+        assert_eq!(
+            swept,
+            Swept {
+                ended: 1,
+                unanswered: [(7, 1)].into(),
+                replaced: [(7, 1)].into(),
+                ..Swept::default()
+            }
+        );
     }
 }

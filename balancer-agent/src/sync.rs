@@ -706,9 +706,13 @@ pub async fn heartbeat_loop(sender: Arc<Sender>) {
     loop {
         beats.tick().await;
         let now = Instant::now();
-        let asked = *sender.stats.asked.get_or_init(|| now);
-        let hello = asked == now
-            || (now.duration_since(asked) < FLOWS_WAIT && sender.stats.peers.awaiting_flows(now));
+        let first = sender.stats.asked.set(now).is_ok();
+        let asking = sender
+            .stats
+            .asked
+            .get()
+            .is_some_and(|at| now.duration_since(*at) < FLOWS_WAIT);
+        let hello = first || (asking && sender.stats.peers.awaiting_flows(now));
         sender.beat(hello).await;
     }
 }
@@ -756,8 +760,15 @@ pub fn live_flows(flows_id: u32, mut out: impl FnMut(Vec<Event>) -> bool) -> Res
 
 /// Sends `to` (its agent's run `run`) every live shared flow of the flow table `flows_id`,
 /// paced: the walk runs on a blocking thread and hands its parts over a short queue. Then
-/// says how many, a few times ([`DUMPED_AT_MS`]: datagrams get lost).
-async fn dump(sender: Arc<Sender>, to: SocketAddr, run: u64, flows_id: u32) {
+/// says how many, and keeps the end in `done` to say it again to a peer that asks again
+/// (that datagram may have been lost).
+async fn dump(
+    sender: Arc<Sender>,
+    to: SocketAddr,
+    run: u64,
+    flows_id: u32,
+    done: Arc<OnceLock<Dumped>>,
+) {
     let (parts, mut rx) = tokio::sync::mpsc::channel(4);
     let walk = tokio::task::spawn_blocking(move || {
         live_flows(flows_id, |part| parts.blocking_send(part).is_ok())
@@ -779,20 +790,20 @@ async fn dump(sender: Arc<Sender>, to: SocketAddr, run: u64, flows_id: u32) {
         }
     };
     info!(peer = %to, flows, "sent our flows to a peer that started");
-    let dumped = Dumped {
+    let dumped = *done.get_or_init(|| Dumped {
         to: run,
         flows: flows as u64,
-    };
-    let started = tokio::time::Instant::now();
-    for at in DUMPED_AT_MS {
-        tokio::time::sleep_until(started + Duration::from_millis(at)).await;
-        sender.send_batch(&[to], &[], false, Some(dumped)).await;
-    }
+    });
+    sender.send_batch(&[to], &[], false, Some(dumped)).await;
 }
 
-/// When the end of a dump is said, after its last flows: at once, and twice again in case
-/// those datagrams were lost.
-const DUMPED_AT_MS: [u64; 3] = [0, 200, 1000];
+/// Our dump of flows to a peer's run.
+struct Dump {
+    run: u64,
+    task: tokio::task::JoinHandle<()>,
+    /// Its end, once it is over.
+    done: Arc<OnceLock<Dumped>>,
+}
 
 /// Receives peers' datagrams and hands their events to `apply`, which returns how many it
 /// wrote and how many named a VIP or server it does not have; answers a peer's hello with
@@ -807,11 +818,11 @@ pub async fn receive_loop(
     // One byte more than the longest we open, so that a longer datagram shows as one.
     let mut buf = vec![0u8; MAX_DATAGRAM_BYTES + 1];
     let mut replays = Replays::new(sender.id);
-    // Per peer (its configured address: two peers may share a host): the run it last greeted
-    // us from, and our dump of flows to it. A peer that restarts again gets a new dump and
-    // the old one stops, so a peer in a crash loop costs one walk of the table at a time,
-    // not one per start.
-    let mut dumps: HashMap<SocketAddr, (u64, tokio::task::JoinHandle<()>)> = HashMap::new();
+    // Per peer (its configured address: two peers may share a host): our dump of flows to
+    // the run it last greeted us from. A peer that restarts again gets a new dump and the
+    // old one stops, so a peer in a crash loop costs one walk of the table at a time, not
+    // one per start.
+    let mut dumps: HashMap<SocketAddr, Dump> = HashMap::new();
     loop {
         let (len, from) = match sender.socket.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -849,13 +860,30 @@ pub async fn receive_loop(
                         info!(peer = %to, flows = d.flows, "a peer has sent us all its flows");
                     }
                 }
-                // Once per agent run that asks (it asks a few times).
-                let greeted = dumps.get(&to).is_some_and(|(run, _)| *run == batch.sender);
-                if batch.hello && !greeted {
-                    info!(peer = %to, "a peer started: sending it our flows");
-                    let task = tokio::spawn(dump(sender.clone(), to, batch.sender, flows_id));
-                    if let Some((_, earlier)) = dumps.insert(to, (batch.sender, task)) {
-                        earlier.abort();
+                // Once per agent run that asks: it asks every second until it has the end,
+                // which is said again then.
+                let greeted = dumps.get(&to).filter(|d| d.run == batch.sender);
+                match greeted {
+                    _ if !batch.hello => {}
+                    Some(d) => {
+                        if let Some(&end) = d.done.get() {
+                            sender.send_batch(&[to], &[], false, Some(end)).await;
+                        }
+                    }
+                    None => {
+                        info!(peer = %to, "a peer started: sending it our flows");
+                        let done = Arc::new(OnceLock::new());
+                        let task = tokio::spawn(dump(
+                            sender.clone(),
+                            to,
+                            batch.sender,
+                            flows_id,
+                            done.clone(),
+                        ));
+                        let run = batch.sender;
+                        if let Some(earlier) = dumps.insert(to, Dump { run, task, done }) {
+                            earlier.task.abort();
+                        }
                     }
                 }
             }

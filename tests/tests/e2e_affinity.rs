@@ -36,7 +36,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -61,6 +61,8 @@ const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
 const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
 
 const POOL: &str = "chat-v4";
+/// The agent's metrics endpoint, on the gateway's loopback.
+const METRICS_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9477);
 const SCRAPE_INTERVAL: Duration = Duration::from_millis(1000);
 /// The pool's `spill_waiting` and `spill_ttft_ms` (the agent's defaults, written out).
 const SPILL_WAITING: u32 = 1;
@@ -228,6 +230,23 @@ impl<'t> Bed<'t> {
         self.agent().counters()
     }
 
+    /// The pool's hinted connections, those placed on their home and the others, from the
+    /// agent's metrics endpoint.
+    fn pool_hints(&self) -> Result<[f64; 3]> {
+        let reply = (self.topology.gw()).enter(|| sim_client::get(METRICS_LISTEN, "/metrics"))?;
+        ensure!(
+            reply.status() == 200,
+            "the agent's /metrics: {}",
+            reply.status()
+        );
+        let names = ["", "_home", "_spilled"].map(|k| format!("balancer_pool_hinted{k}_total"));
+        let mut values = [0.0; 3];
+        for (v, name) in values.iter_mut().zip(&names) {
+            *v = sample(&reply.body, name)?;
+        }
+        Ok(values)
+    }
+
     fn log_len(&self) -> usize {
         usize::try_from(self.agent().log_len()).expect("a log fits in memory")
     }
@@ -264,6 +283,7 @@ fn config(topology: &Topology, slots: u32) -> AgentConfig {
     let mut config = AgentConfig::gateway(topology, [100; BACKENDS]);
     config.pools.retain(|pool| pool.name == POOL);
     config.agent.scrape_interval_ms = Some(millis(SCRAPE_INTERVAL));
+    config.agent.metrics_listen = Some(METRICS_LISTEN);
     let pool = &mut config.pools[0];
     pool.slots = Some(slots);
     pool.spill_waiting = Some(SPILL_WAITING);
@@ -651,6 +671,7 @@ fn homes_and_hit_rate(bed: &mut Bed) -> Result<()> {
     );
 
     let counters_before = bed.counters()?;
+    let hints_before = bed.pool_hints()?;
     let started = Instant::now();
     let with_hints = bed.topology.client().enter(|| {
         run_workers(HOME_SHARE_WORKERS, &order, |&(p, round)| {
@@ -666,6 +687,19 @@ fn homes_and_hit_rate(bed: &mut Bed) -> Result<()> {
     let delta = |name: &str| {
         counters.get(name).copied().unwrap_or(0) - counters_before.get(name).copied().unwrap_or(0)
     };
+    // The pool's own figures on the metrics endpoint: its only pool, so the program's.
+    let hints = bed.pool_hints()?;
+    let [hinted, home, other] = std::array::from_fn(|k| hints[k] - hints_before[k]);
+    let placed = ["hint_home", "hint_warm", "hint_maglev"].map(|c| delta(c) as f64);
+    println!("the pool's hinted connections on /metrics: {hinted} ({home} at home, {other} not)");
+    ensure!(
+        hinted >= order.len() as f64
+            && hinted == placed.iter().sum::<f64>()
+            && home == placed[0]
+            && other == placed[1] + placed[2],
+        "the pool's hinted connections {hints:?} (before {hints_before:?}) against the \
+         program's placements {placed:?}"
+    );
     println!(
         "XDP during the hinted round: flow_new_syn {}, flow_reopened {}, flow_new_midstream {}, \
          hint_home {}, hint_warm {}, hint_maglev {}",

@@ -150,6 +150,30 @@ fn taken_interface_refused(
     refused
 }
 
+/// Starts an agent with `config` and, in native mode, one more interface whose MTU (9000,
+/// and its peer's) is past what veth runs an XDP program without multi-buffer support at;
+/// returns the refusal.
+fn jumbo_interface_refused(
+    topology: &Topology,
+    binary: &Path,
+    config: &AgentConfig,
+) -> Result<String> {
+    let gw = topology.gw();
+    gw.ip(&["link", "add", "gj", "type", "veth", "peer", "name", "gk"])?;
+    let refused = (|| {
+        for dev in ["gj", "gk"] {
+            gw.ip(&["link", "set", dev, "mtu", "9000", "up"])?;
+        }
+        let mut jumbo = config.clone();
+        jumbo.agent.interfaces.push("gj".into());
+        jumbo.agent.xdp_mode = Some("native".into());
+        jumbo.pools[0].port += 1;
+        Agent::start_refused(topology, binary, &jumbo)
+    })();
+    gw.ip(&["link", "del", "gj"])?;
+    refused
+}
+
 fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     let args: Vec<Vec<String>> = (0..BACKENDS).map(|_| Vec::new()).collect();
     let mut sims = SimBackends::start(topology, Path::new(SIM), &args)?;
@@ -290,6 +314,13 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     ensure!(
         refused.contains("gx"),
         "an interface another program holds: {refused}"
+    );
+    // Nor one with jumbo frames in native mode, saying why.
+    let refused = jumbo_interface_refused(topology, binary, &config)?;
+    println!("refused: {refused}");
+    ensure!(
+        refused.contains("gj") && refused.contains("its MTU is 9000"),
+        "an interface with jumbo frames: {refused}"
     );
     // `check` finds it first, and passes the file that names none.
     let (passed, said) = Agent::check(topology, binary, &mistyped)?;

@@ -16,7 +16,8 @@
 //! and is counted. `peers` tells each gateway's view of the other: up while it runs (with
 //! the events it sent, and a restart), silent once it is gone; `show` alone, both pools.
 //! `ready` (and `GET /ready`) holds a gateway back while a peer may still answer, and says
-//! ready once the restarted gateway has every server checked and the first's flows.
+//! ready once the restarted gateway has every server checked and the first's flows; not
+//! while the operator has it withdrawn.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
@@ -228,7 +229,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         "the first gateway, its peer up {:.1} s after it: {ready:?}",
         second_up.as_secs_f64()
     );
-    if second_up < Duration::from_secs(3) {
+    if second_up < Duration::from_millis(2500) {
         let told = format!("{}: sent its 0 live flows", side[1]);
         ensure!(
             ready.ready && ready.notes.contains(&told),
@@ -334,6 +335,26 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         http.head.status,
         http.body
     );
+    // Withdrawn by the operator, not ready whatever else; restored, ready again.
+    println!("{}", second.cli(&["withdraw"])?.trim_end());
+    let withdrawn = readiness(&second)?;
+    let http = topology
+        .gw2()?
+        .enter(|| client::get(METRICS_LISTEN, "/ready"))?;
+    ensure!(
+        !withdrawn.ready
+            && withdrawn
+                .waiting
+                .iter()
+                .any(|w| w.starts_with("withdrawn by the operator"))
+            && http.head.status == 503
+            && http.body.contains("withdrawn by the operator"),
+        "withdrawn: {withdrawn:?}, GET /ready {} {:?}",
+        http.head.status,
+        http.body
+    );
+    println!("{}", second.cli(&["restore"])?.trim_end());
+    ensure!(readiness(&second)?.ready, "restored, not ready");
     let restarted = peer(&first, side[1])?;
     ensure!(
         restarted.state == PeerState::Up && restarted.restarts == 1,

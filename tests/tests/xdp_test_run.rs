@@ -777,7 +777,10 @@ fn the_flow_table_is_walked_in_batches() -> Result<()> {
 #[test]
 fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
     in_topology(|| {
-        use balancer_agent::{dataplane::monotonic_ns, sweep};
+        use balancer_agent::{
+            dataplane::monotonic_ns,
+            sweep::{self, Reclaimed},
+        };
         use balancer_common::{FlowEntry, FlowKey};
 
         let mut h = Harness::new()?;
@@ -860,12 +863,28 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
         };
         let mut table = sweep::Reclaimer::open(h.dp.flows_id(), sweep::QUIET)?;
         h.dp.flow_table().insert(key(0), fresh, 0)?;
-        ensure!(table.reclaim(&key(0))?.is_none(), "a new connection taken");
+        let r = table.reclaim(&key(0))?;
+        ensure!(r == Reclaimed::PutBack, "a new connection: {r:?}");
         let back = h.dp.flow_table().get(&key(0), 0);
         ensure!(
             back.as_ref()
                 .is_ok_and(|e| e.last_seen_ns == recent && e.acked == 1),
             "a new connection's entry after a sweep: {back:?}"
+        );
+        // Where the program placed the flow again while it was out, its entry stays.
+        let placed_again = FlowEntry {
+            backend_id: BACKEND + 1,
+            ..fresh
+        };
+        h.dp.flow_table().insert(key(0), placed_again, 0)?;
+        ensure!(
+            !table.put_back(&key(0), fresh)?,
+            "put back over the program's entry"
+        );
+        let stays = h.dp.flow_table().get(&key(0), 0);
+        ensure!(
+            stays.as_ref().is_ok_and(|e| e.backend_id == BACKEND + 1),
+            "the program's entry after a put-back: {stays:?}"
         );
         let ended = FlowEntry {
             closed: 1,
@@ -875,10 +894,11 @@ fn ended_and_unanswered_entries_are_reclaimed() -> Result<()> {
         h.dp.flow_table().insert(key(0), ended, 0)?;
         let taken = table.reclaim(&key(0))?;
         ensure!(
-            taken.is_some_and(|e| e.closed == 1) && h.dp.flow_table().get(&key(0), 0).is_err(),
+            taken == Reclaimed::Deleted(ended) && h.dp.flow_table().get(&key(0), 0).is_err(),
             "an ended connection's entry not taken: {taken:?}"
         );
-        ensure!(table.reclaim(&key(0))?.is_none(), "taken twice");
+        let r = table.reclaim(&key(0))?;
+        ensure!(r == Reclaimed::Gone, "taken twice: {r:?}");
         Ok(())
     })
 }
@@ -1004,6 +1024,54 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
             (up, down) == (1, 0),
             "connections counted open: {up} while UP, {down} once DOWN (expected 1, 0)"
         );
+        Ok(())
+    })
+}
+
+/// `ready` waits for every server to be scraped, and to answer a check or go DOWN (a dead
+/// one after `fall` failed checks, not before); then says ready, but while withdrawn.
+#[test]
+fn ready_once_every_server_is_known_alive_or_down() -> Result<()> {
+    in_topology(|| {
+        use balancer_agent::control::Request;
+        let n = &v4();
+        let mut config = config(std::slice::from_ref(n));
+        config.pool.retain(|p| p.name == "a0");
+        config.agent.fall = 2;
+        let (h, _) = Harness::load(&config)?;
+        let mut controller = Controller::new(config, h.dp)?;
+        let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
+        let waits = |c: &mut Controller| c.readiness().waiting;
+        let start = waits(&mut controller);
+        ensure!(
+            start
+                == [
+                    "pool a0: 1 of 1 servers not scraped yet",
+                    "pool a0: 1 of 1 servers not health-checked yet"
+                ],
+            "at the start: {start:?}"
+        );
+        // A failed scrape is one: the server is known not to answer it.
+        scrape_running(&mut controller, &|_| None);
+        controller.checked(vec![(key.clone(), None, Err(anyhow::anyhow!("refused")))]);
+        let failing = waits(&mut controller);
+        ensure!(
+            failing == ["pool a0: 1 of 1 servers failing their checks, not DOWN yet"],
+            "after the first of two failed checks: {failing:?}"
+        );
+        controller.checked(vec![(key, None, Err(anyhow::anyhow!("refused")))]);
+        let down = controller.readiness();
+        ensure!(down.ready && controller.snapshot().ready, "DOWN: {down:?}");
+        let _ = controller.handle(Request::Withdraw);
+        let withdrawn = controller.readiness();
+        ensure!(
+            !withdrawn.ready
+                && !controller.snapshot().ready
+                && withdrawn.waiting[0].starts_with("withdrawn by the operator"),
+            "withdrawn: {withdrawn:?}"
+        );
+        let _ = controller.handle(Request::Restore);
+        ensure!(controller.readiness().ready, "restored");
         Ok(())
     })
 }
