@@ -32,7 +32,7 @@ use crate::{
 pub type ServerKey = (String, SocketAddr);
 
 /// What `ready` waits for while the gateway is withdrawn.
-const WITHDRAWN: &str = "withdrawn by the operator: `balancer-agent restore` takes it back";
+const WITHDRAWN: &str = "`balancer-agent restore` (withdrawn by the operator)";
 
 /// Metrics older than this many scrape intervals are stale.
 const STALE_INTERVALS: u32 = 3;
@@ -1132,7 +1132,8 @@ impl Controller {
     }
 
     /// Takes what a sweep of the flow table deleted: the closes of the handshakes that never
-    /// completed are counted, as the program counts a connection's close.
+    /// completed, and of connections it took out while the program placed their flow again,
+    /// are counted, as the program counts a connection's close.
     pub fn reclaimed(&mut self, swept: &crate::sweep::Swept) {
         for (&id, &n) in swept.unanswered.iter().chain(&swept.replaced) {
             self.dp.count_closes(id, n);
@@ -1244,7 +1245,11 @@ impl Controller {
         let since_asked = asked.map(|at| now.saturating_duration_since(at));
         let r = ready::assess(&pools, &peers, since_asked);
         if r.ready {
-            info!(notes = ?r.notes, "ready to take traffic");
+            if self.withdrawn {
+                info!(notes = ?r.notes, "ready to take traffic, but withdrawn by the operator");
+            } else {
+                info!(notes = ?r.notes, "ready to take traffic");
+            }
             self.ready = Some(r.clone());
         }
         r

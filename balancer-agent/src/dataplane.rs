@@ -620,16 +620,15 @@ impl Dataplane {
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
         let pin = self.pins.as_ref().map(|p| p.link(name));
         let attached = match self.xdp_mode {
-            config::XdpMode::Native => {
-                self.program()
-                    .attach(name, XdpMode::Driver)
-                    .with_context(|| {
-                        format!(
-                            "attaching to {name} in native mode (agent.xdp_mode){}",
-                            mtu_hint(name)
-                        )
-                    })
-            }
+            config::XdpMode::Native => match self.program().attach(name, XdpMode::Driver) {
+                Ok(link) => Ok(link),
+                Err(e) => {
+                    let hint = mtu_hint(name, &e, ", or use agent.xdp_mode = \"generic\"");
+                    Err(anyhow::Error::from(e).context(format!(
+                        "attaching to {name} in native mode (agent.xdp_mode){hint}"
+                    )))
+                }
+            },
             config::XdpMode::Generic => self.attach_generic(name, None),
             config::XdpMode::Auto => match self.program().attach(name, XdpMode::Driver) {
                 Ok(link) => Ok(link),
@@ -657,8 +656,8 @@ impl Dataplane {
     /// they came.)
     fn attach_generic(&mut self, name: &str, native: Option<ProgramError>) -> Result<XdpLinkId> {
         let why = native.map(|e| {
-            let e = anyhow::Error::from(e);
-            format!(" (native mode failed: {e:#}{})", mtu_hint(name))
+            let hint = mtu_hint(name, &e, "");
+            format!(" (native mode failed: {:#}{hint})", anyhow::Error::from(e))
         });
         let link = self.program().attach(name, XdpMode::Skb).with_context(|| {
             format!(
@@ -1018,7 +1017,7 @@ impl Dataplane {
 
     /// Counts the closes of `n` connections to `id` that this gateway opened and will not see
     /// close (a peer reported or replaced them, or the sweep deleted their unanswered
-    /// handshakes): where the program would have (`CLOSES`, for the spill room), and in the
+    /// handshakes, or took them out while the program placed their flow again): where the program would have (`CLOSES`, for the spill room), and in the
     /// agent's own count, added to the program's in [`Dataplane::backend_stats`].
     pub fn count_closes(&mut self, id: u32, n: u64) {
         if let Some(c) = self.closes.shared().get(id as usize) {
@@ -1052,22 +1051,23 @@ fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<
     failed
 }
 
-/// The largest MTU at which most drivers (veth, mlx5, ice, ...) run an XDP program without
-/// multi-buffer support, as ours is: a frame must fit a page, less the headroom and the
-/// kernel's own tail (veth's limit is 3506 with 4 KiB pages).
-const SINGLE_BUFFER_MTU: u32 = 3500;
-
-/// What to say after a refusal of native XDP on interface `name` when its MTU is past
-/// [`SINGLE_BUFFER_MTU`] (jumbo frames), the likely reason; nothing otherwise.
-fn mtu_hint(name: &str) -> String {
+/// What to say after native XDP on interface `name` was refused with `e`, when the kernel
+/// refused the program for the frames (EINVAL, ERANGE, EOPNOTSUPP) and the interface has jumbo
+/// frames, the likely reason; `or` is another way out, if any. Nothing otherwise.
+fn mtu_hint(name: &str, e: &ProgramError, or: &str) -> String {
+    let errno = std::iter::successors(Some(e as &dyn std::error::Error), |e| e.source())
+        .find_map(|e| e.downcast_ref::<std::io::Error>()?.raw_os_error());
+    if !matches!(errno, Some(libc::EINVAL | libc::ERANGE | libc::EOPNOTSUPP)) {
+        return String::new();
+    }
     let mtu = std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
         .ok()
         .and_then(|m| m.trim().parse::<u32>().ok());
     match mtu {
-        Some(mtu) if mtu > SINGLE_BUFFER_MTU => format!(
-            "; its MTU is {mtu}, and most drivers run an XDP program without multi-buffer \
-             support, as this one is, only up to about {SINGLE_BUFFER_MTU}: lower the MTU, or \
-             use agent.xdp_mode = \"generic\""
+        Some(mtu) if mtu > 1500 => format!(
+            "; its MTU is {mtu}, and drivers run an XDP program without multi-buffer support, \
+             as this one is, only up to an MTU of 3000 to 3500 or so, depending on the driver \
+             (veth: on either end): lower the MTU{or}"
         ),
         _ => String::new(),
     }

@@ -229,7 +229,7 @@ impl Collector for Snapshot {
             (
                 "pool_hinted_home",
                 "Hinted connections placed on their bucket's home (where the prefix is \
-                 cached): over pool_hinted, the affinity's hit rate.",
+                 cached): over balancer_pool_hinted_total, the affinity's hit rate.",
                 |h| h.home,
             ),
             (
@@ -240,6 +240,9 @@ impl Collector for Snapshot {
                 |h| h.spilled,
             ),
         ] {
+            if self.hints.is_empty() {
+                break;
+            }
             let values = self.hints.iter().map(|h| {
                 let labels: Labels = vec![("pool", h.pool.clone())];
                 (labels, value(h))
@@ -249,8 +252,9 @@ impl Collector for Snapshot {
         gauge(
             &mut encoder,
             "ready",
-            "1 once every server was scraped and checked and every peer sent its flows \
-             (`balancer-agent ready`, GET /ready), until the agent stops.",
+            "1 once every server was scraped and answered a check or went DOWN, and every peer \
+             sent its flows (`balancer-agent ready`, GET /ready), until the agent stops; 0 \
+             while withdrawn (`balancer-agent withdraw`).",
             if self.ready { 1.0 } else { 0.0 },
         )?;
         if let Some((entries, size)) = self.flow_table {

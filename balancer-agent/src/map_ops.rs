@@ -75,14 +75,7 @@ impl<K: Pod, V: Pod> Hash<K, V> {
         args.__bindgen_anon_1.value = value.as_mut_ptr() as u64;
         // SAFETY: the kernel reads a key from `key` and writes a value into `value`, of the
         // sizes `open` checked; both outlive the call.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                bpf_cmd::BPF_MAP_LOOKUP_AND_DELETE_ELEM as libc::c_long,
-                ptr::from_mut(&mut attr),
-                size_of::<bpf_attr>() as libc::c_uint,
-            )
-        };
+        let ret = unsafe { sys_bpf(bpf_cmd::BPF_MAP_LOOKUP_AND_DELETE_ELEM, &mut attr) };
         if ret == 0 {
             // SAFETY: the kernel wrote the value, and any bytes are a valid V (Pod).
             return Ok(Some(unsafe { value.assume_init() }));
@@ -91,6 +84,25 @@ impl<K: Pod, V: Pod> Hash<K, V> {
             e if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
             e => Err(e).with_context(|| format!("taking an entry of map {}", self.id)),
         }
+    }
+}
+
+/// The `bpf` system call `cmd` with `attr`: 0 or more when it worked, else -1 and the error
+/// in errno.
+///
+/// # Safety
+///
+/// `attr` holds what `cmd` takes, and every pointer in it is valid for what the kernel reads
+/// or writes through it for the whole call.
+unsafe fn sys_bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> libc::c_long {
+    // SAFETY: the caller's.
+    unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd as libc::c_long,
+            ptr::from_mut(attr),
+            size_of::<bpf_attr>() as libc::c_uint,
+        )
     }
 }
 
@@ -128,14 +140,7 @@ pub fn for_each<K: Pod, V: Pod>(
         args.map_fd = fd.as_fd().as_raw_fd() as u32;
         // SAFETY: the kernel writes at most `count` keys and values into buffers of that many,
         // and one position into `next`; every pointer outlives the call.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                bpf_cmd::BPF_MAP_LOOKUP_BATCH as libc::c_long,
-                ptr::from_mut(&mut attr),
-                size_of::<bpf_attr>() as libc::c_uint,
-            )
-        };
+        let ret = unsafe { sys_bpf(bpf_cmd::BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let error = (ret < 0).then(std::io::Error::last_os_error);
         let last = match error.as_ref().and_then(std::io::Error::raw_os_error) {
             None => false,

@@ -641,7 +641,8 @@ async fn sweep_loop(ctl: Shared, flows_id: u32) {
         let started = std::time::Instant::now();
         match spawn_blocking(move || sweep::sweep(flows_id, sweep::QUIET)).await {
             Ok(Ok(swept)) => {
-                debug!(ended = swept.ended, unanswered = swept.unanswered_total(), took = ?started.elapsed(), "flow table swept");
+                let replaced: u64 = swept.replaced.values().sum();
+                debug!(ended = swept.ended, unanswered = swept.unanswered_total(), replaced, took = ?started.elapsed(), "flow table swept");
                 lock(&ctl).reclaimed(&swept);
                 match &swept.failed {
                     None => failing = false,

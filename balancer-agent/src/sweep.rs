@@ -37,8 +37,8 @@ pub struct Swept {
     /// counted: the program counted them opened, so the agent counts them closed.
     pub unanswered: HashMap<u32, u64>,
     /// Entries of connections taken out while the program placed their flow again (see
-    /// [`Reclaimed::Replaced`]), per backend id, whose close no one had counted: the new
-    /// entry counts an open of its own, so the agent counts this one closed.
+    /// [`Reclaimed::Replaced`]), or that could not be put back, per backend id, whose close
+    /// no one had counted: no entry will see their end, so the agent counts them closed.
     pub replaced: HashMap<u32, u64>,
     /// Why a deletion failed, if one did: the sweep stopped there (the next one goes on),
     /// and what it did before is counted.
@@ -60,6 +60,11 @@ impl Swept {
             Reclaimed::Deleted(e) if e.closed != 0 => self.ended += 1,
             Reclaimed::Deleted(e) => count(&mut self.unanswered, e),
             Reclaimed::Replaced(e) => count(&mut self.replaced, e),
+            // Its open is closed as a replaced one's: no entry will see its end.
+            Reclaimed::Lost(e, why) => {
+                count(&mut self.replaced, e);
+                self.failed = Some(format!("putting a flow entry back: {why}"));
+            }
             Reclaimed::Gone | Reclaimed::PutBack => {}
         }
     }
@@ -103,17 +108,17 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
         }
         match table.reclaim(&key) {
             Ok(reclaimed) => swept.note(reclaimed),
-            Err(e) => {
-                swept.failed = Some(format!("{e:#}"));
-                break;
-            }
+            Err(e) => swept.failed = Some(format!("{e:#}")),
+        }
+        if swept.failed.is_some() {
+            break;
         }
     }
     Ok(swept)
 }
 
 /// What [`Reclaimer::reclaim`] did with an entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reclaimed {
     /// There was none.
     Gone,
@@ -124,6 +129,9 @@ pub enum Reclaimed {
     /// Taken, not put back: the program placed the flow again while it was out (its packet
     /// found no entry), and that entry stays.
     Replaced(FlowEntry),
+    /// Taken, and putting it back failed, for this reason: its connection is gone from the
+    /// table (its next packet is placed anew).
+    Lost(FlowEntry, String),
 }
 
 /// The flow table, to delete quiet entries from as of when it was opened.
@@ -165,9 +173,10 @@ impl Reclaimer {
         if self.reclaimable(&entry) {
             return Ok(Reclaimed::Deleted(entry));
         }
-        Ok(match self.put_back(key, entry)? {
-            true => Reclaimed::PutBack,
-            false => Reclaimed::Replaced(entry),
+        Ok(match self.put_back(key, entry) {
+            Ok(true) => Reclaimed::PutBack,
+            Ok(false) => Reclaimed::Replaced(entry),
+            Err(e) => Reclaimed::Lost(entry, format!("{e:#}")),
         })
     }
 
@@ -207,6 +216,7 @@ mod tests {
             Reclaimed::Replaced(entry(1, 1)),
             Reclaimed::PutBack,
             Reclaimed::Gone,
+            Reclaimed::Lost(entry(0, 0), "no memory".into()),
         ] {
             swept.note(r);
         }
@@ -215,7 +225,8 @@ mod tests {
             Swept {
                 ended: 1,
                 unanswered: [(7, 1)].into(),
-                replaced: [(7, 1)].into(),
+                replaced: [(7, 2)].into(),
+                failed: Some("putting a flow entry back: no memory".into()),
                 ..Swept::default()
             }
         );

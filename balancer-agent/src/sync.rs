@@ -861,8 +861,10 @@ pub async fn receive_loop(
                     }
                 }
                 // Once per agent run that asks: it asks every second until it has the end,
-                // which is said again then.
-                let greeted = dumps.get(&to).filter(|d| d.run == batch.sender);
+                // which is said again then; a dump that ended without one (its walk failed)
+                // is made again.
+                let failed = |d: &&Dump| d.task.is_finished() && d.done.get().is_none();
+                let greeted = (dumps.get(&to)).filter(|d| d.run == batch.sender && !failed(d));
                 match greeted {
                     _ if !batch.hello => {}
                     Some(d) => {

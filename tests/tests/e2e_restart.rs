@@ -115,10 +115,7 @@ fn taken_interface_refused(
     pins: &Path,
 ) -> Result<String> {
     let gw = topology.gw();
-    gw.ip(&["link", "add", "gx", "type", "veth", "peer", "name", "gy"])?;
-    let refused = (|| {
-        gw.ip(&["link", "set", "gx", "up"])?;
-        gw.ip(&["link", "set", "gy", "up"])?;
+    with_veth(topology, ["gx", "gy"], &[], || {
         let mut holder = gw.command(XDP_PASS);
         holder.arg("gx");
         let log = topology.dir().join("gx-xdp-pass.log");
@@ -145,9 +142,29 @@ fn taken_interface_refused(
             "a refused start left gx ({index}) in EGRESS: {indexes:?}"
         );
         Ok(refused)
+    })
+}
+
+/// Runs `f` with a veth pair `pair` up in the gateway's namespace, with the `ip link set`
+/// arguments `settings` on both ends; deletes it after, whatever `f` did.
+fn with_veth<T>(
+    topology: &Topology,
+    pair: [&str; 2],
+    settings: &[&str],
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let gw = topology.gw();
+    gw.ip(&[
+        "link", "add", pair[0], "type", "veth", "peer", "name", pair[1],
+    ])?;
+    let done = (|| {
+        for dev in pair {
+            gw.ip(&[&["link", "set", dev][..], settings, &["up"][..]].concat())?;
+        }
+        f()
     })();
-    gw.ip(&["link", "del", "gx"])?;
-    refused
+    gw.ip(&["link", "del", pair[0]])?;
+    done
 }
 
 /// Starts an agent with `config` and, in native mode, one more interface whose MTU (9000,
@@ -158,20 +175,13 @@ fn jumbo_interface_refused(
     binary: &Path,
     config: &AgentConfig,
 ) -> Result<String> {
-    let gw = topology.gw();
-    gw.ip(&["link", "add", "gj", "type", "veth", "peer", "name", "gk"])?;
-    let refused = (|| {
-        for dev in ["gj", "gk"] {
-            gw.ip(&["link", "set", dev, "mtu", "9000", "up"])?;
-        }
+    with_veth(topology, ["gj", "gk"], &["mtu", "9000"], || {
         let mut jumbo = config.clone();
         jumbo.agent.interfaces.push("gj".into());
         jumbo.agent.xdp_mode = Some("native".into());
         jumbo.pools[0].port += 1;
         Agent::start_refused(topology, binary, &jumbo)
-    })();
-    gw.ip(&["link", "del", "gj"])?;
-    refused
+    })
 }
 
 fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {

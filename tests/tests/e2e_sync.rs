@@ -346,7 +346,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
             && withdrawn
                 .waiting
                 .iter()
-                .any(|w| w.starts_with("withdrawn by the operator"))
+                .any(|w| w.contains("withdrawn by the operator"))
             && http.head.status == 503
             && http.body.contains("withdrawn by the operator"),
         "withdrawn: {withdrawn:?}, GET /ready {} {:?}",

@@ -1033,13 +1033,19 @@ fn a_down_servers_quiet_connections_are_over() -> Result<()> {
 #[test]
 fn ready_once_every_server_is_known_alive_or_down() -> Result<()> {
     in_topology(|| {
-        use balancer_agent::control::Request;
+        use balancer_agent::{
+            control::{Request, Response},
+            controller::Handled,
+        };
         let n = &v4();
-        let mut config = config(std::slice::from_ref(n));
-        config.pool.retain(|p| p.name == "a0");
-        config.agent.fall = 2;
-        let (h, _) = Harness::load(&config)?;
-        let mut controller = Controller::new(config, h.dp)?;
+        let fresh = || -> Result<Controller> {
+            let mut config = config(std::slice::from_ref(n));
+            config.pool.retain(|p| p.name == "a0");
+            config.agent.fall = 2;
+            let (h, _) = Harness::load(&config)?;
+            Controller::new(config, h.dp)
+        };
+        let mut controller = fresh()?;
         let key = ("a0".to_string(), SocketAddr::new(n.backend, 8000));
         let waits = |c: &mut Controller| c.readiness().waiting;
         let start = waits(&mut controller);
@@ -1053,25 +1059,46 @@ fn ready_once_every_server_is_known_alive_or_down() -> Result<()> {
         );
         // A failed scrape is one: the server is known not to answer it.
         scrape_running(&mut controller, &|_| None);
-        controller.checked(vec![(key.clone(), None, Err(anyhow::anyhow!("refused")))]);
+        let refused =
+            |k: &(String, SocketAddr)| vec![(k.clone(), None, Err(anyhow::anyhow!("refused")))];
+        controller.checked(refused(&key));
         let failing = waits(&mut controller);
         ensure!(
             failing == ["pool a0: 1 of 1 servers failing their checks, not DOWN yet"],
             "after the first of two failed checks: {failing:?}"
         );
-        controller.checked(vec![(key, None, Err(anyhow::anyhow!("refused")))]);
+        controller.checked(refused(&key));
         let down = controller.readiness();
         ensure!(down.ready && controller.snapshot().ready, "DOWN: {down:?}");
-        let _ = controller.handle(Request::Withdraw);
+        let said = |c: &mut Controller, r| match c.handle(r) {
+            Handled::Now(Response::Done { message }) => message,
+            _ => String::new(),
+        };
+        let message = said(&mut controller, Request::Withdraw);
         let withdrawn = controller.readiness();
         ensure!(
-            !withdrawn.ready
+            message.starts_with("withdrawn: ")
+                && !withdrawn.ready
                 && !controller.snapshot().ready
-                && withdrawn.waiting[0].starts_with("withdrawn by the operator"),
-            "withdrawn: {withdrawn:?}"
+                && withdrawn.waiting[0].contains("withdrawn by the operator"),
+            "withdrawn ({message}): {withdrawn:?}"
         );
-        let _ = controller.handle(Request::Restore);
-        ensure!(controller.readiness().ready, "restored");
+        let message = said(&mut controller, Request::Restore);
+        ensure!(
+            message.starts_with("restored: ") && controller.readiness().ready,
+            "restored ({message})"
+        );
+
+        // A server that passed a check is alive: failures after it take `fall` to go DOWN
+        // and hold nothing up.
+        drop(controller);
+        let mut controller = fresh()?;
+        scrape_running(&mut controller, &|_| Some(0.0));
+        controller.checked(refused(&key));
+        controller.checked(vec![(key.clone(), None, Ok(()))]);
+        controller.checked(refused(&key));
+        let alive = controller.readiness();
+        ensure!(alive.ready, "failing after a good check: {alive:?}");
         Ok(())
     })
 }
