@@ -182,6 +182,8 @@ impl Server {
 /// What a scrape task needs to know about one server.
 pub struct ScrapeTarget {
     pub key: ServerKey,
+    /// Its id when the scrape was sent: `stats` and `counts` are that id's.
+    pub id: u32,
     pub metrics: SocketAddr,
     pub dialect: Option<Dialect>,
     pub sent_at: Instant,
@@ -513,6 +515,7 @@ impl Controller {
         for (key, s) in &self.servers {
             targets.push(ScrapeTarget {
                 key: key.clone(),
+                id: s.id,
                 metrics: s.metrics,
                 dialect: s.dialect,
                 sent_at: now,
@@ -531,8 +534,10 @@ impl Controller {
     ) {
         let ttft_life = self.stale_after();
         for (target, result) in results {
-            let Some(s) = self.servers.get_mut(&target.key) else {
-                continue; // removed by a reload meanwhile
+            // Removed by a reload meanwhile, or removed and added again under a new id, whose
+            // counters the scrape's baseline is not.
+            let Some(s) = (self.servers.get_mut(&target.key)).filter(|s| s.id == target.id) else {
+                continue;
             };
             match result {
                 Ok(reading) => {

@@ -1186,6 +1186,50 @@ fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> Option<f64
     c.scraped(results);
 }
 
+/// A scrape sent before a reload took a server out and another brought it back (a new id) is
+/// not taken as the new one's: its counters, the baseline of the server's rates, are the
+/// old id's.
+#[test]
+fn a_scrape_of_a_servers_earlier_id_is_left_out() -> Result<()> {
+    in_topology(|| {
+        use balancer_agent::dialect::{Dialect, Reading};
+        let n = &v4();
+        let full = config(std::slice::from_ref(n));
+        let mut without = full.clone();
+        without.pool.retain(|p| p.name != "a0");
+        let (h, _) = Harness::load(&full)?;
+        let mut controller = Controller::new(full.clone(), h.dp)?;
+        let sent = controller.scrape_targets();
+        controller.reconfigure(without)?;
+        controller.reconfigure(full)?;
+        let results = sent
+            .into_iter()
+            .map(|t| {
+                let reading = Reading {
+                    dialect: Dialect::Plain,
+                    running: 5.0,
+                    waiting: 0.0,
+                    kv_usage: None,
+                    ttft: None,
+                    progress: None,
+                    ignored: None,
+                };
+                (t, Ok(reading))
+            })
+            .collect();
+        controller.scraped(results);
+        let running =
+            |pool: &str| -> Result<Option<f64>> { Ok(controller.show(pool)?.servers[0].running) };
+        ensure!(
+            running("a0")?.is_none() && running("tx0")? == Some(5.0),
+            "a0, back under a new id: {:?}; tx0, kept: {:?}",
+            running("a0")?,
+            running("tx0")?
+        );
+        Ok(())
+    })
+}
+
 /// Where new connections from `ports` to the pool `multi0` go, as the program places them;
 /// none may be dropped.
 fn placed(c: &mut Controller, n: &Net, ports: std::ops::Range<u16>) -> Result<Vec<IpAddr>> {
