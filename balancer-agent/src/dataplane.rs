@@ -1017,8 +1017,9 @@ impl Dataplane {
 
     /// Counts the closes of `n` connections to `id` that this gateway opened and will not see
     /// close (a peer reported or replaced them, or the sweep deleted their unanswered
-    /// handshakes, or took them out while the program placed their flow again): where the program would have (`CLOSES`, for the spill room), and in the
-    /// agent's own count, added to the program's in [`Dataplane::backend_stats`].
+    /// handshakes, or took them out while the program placed their flow again): where the
+    /// program would have (`CLOSES`, for the spill room), and in the agent's own count, added
+    /// to the program's in [`Dataplane::backend_stats`].
     pub fn count_closes(&mut self, id: u32, n: u64) {
         if let Some(c) = self.closes.shared().get(id as usize) {
             c.fetch_add(n, Ordering::Relaxed);

@@ -220,7 +220,7 @@ impl Collector for Snapshot {
         if !self.peers.is_empty() {
             self.encode_peers(&mut encoder)?;
         }
-        for (name, help, value) in [
+        let hint_counters = [
             (
                 "pool_hinted",
                 "Connections opened from a hint port (SYNs), per pool.",
@@ -239,15 +239,16 @@ impl Collector for Snapshot {
                  pick.",
                 |h| h.spilled,
             ),
-        ] {
-            if self.hints.is_empty() {
-                break;
+        ];
+        // Only with pools that take hints.
+        if !self.hints.is_empty() {
+            for (name, help, value) in hint_counters {
+                let values = self.hints.iter().map(|h| {
+                    let labels: Labels = vec![("pool", h.pool.clone())];
+                    (labels, value(h))
+                });
+                counters(&mut encoder, name, help, values)?;
             }
-            let values = self.hints.iter().map(|h| {
-                let labels: Labels = vec![("pool", h.pool.clone())];
-                (labels, value(h))
-            });
-            counters(&mut encoder, name, help, values)?;
         }
         gauge(
             &mut encoder,

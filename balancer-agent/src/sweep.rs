@@ -83,14 +83,16 @@ pub fn sweep(flows_id: u32, quiet: Duration) -> Result<Swept> {
     let mut table = Reclaimer::open(flows_id, quiet)?;
     let mut found = Vec::new();
     let mut entries = 0;
-    map_ops::for_each(flows_id, |key: FlowKey, entry: FlowEntry| {
-        entries += 1;
-        if table.reclaimable(&entry) {
-            found.push(key);
-        }
-        std::ops::ControlFlow::Continue(())
-    })
-    .context("walking the flow table")?;
+    table
+        .taken
+        .for_each(|key, entry| {
+            entries += 1;
+            if table.reclaimable(&entry) {
+                found.push(key);
+            }
+            std::ops::ControlFlow::Continue(())
+        })
+        .context("walking the flow table")?;
     let mut swept = Swept {
         entries,
         ..Swept::default()

@@ -629,6 +629,11 @@ impl Sender {
         self.send_batch(&self.peers, &[], hello, None).await;
     }
 
+    /// Tells `to` that the dump of our flows to its run is over (`end`).
+    async fn send_end(&self, to: SocketAddr, end: Dumped) {
+        self.send_batch(&[to], &[], false, Some(end)).await;
+    }
+
     async fn send_batch(
         &self,
         to: &[SocketAddr],
@@ -794,7 +799,7 @@ async fn dump(
         to: run,
         flows: flows as u64,
     });
-    sender.send_batch(&[to], &[], false, Some(dumped)).await;
+    sender.send_end(to, dumped).await;
 }
 
 /// Our dump of flows to a peer's run.
@@ -869,7 +874,7 @@ pub async fn receive_loop(
                     _ if !batch.hello => {}
                     Some(d) => {
                         if let Some(&end) = d.done.get() {
-                            sender.send_batch(&[to], &[], false, Some(end)).await;
+                            sender.send_end(to, end).await;
                         }
                     }
                     None => {

@@ -1157,12 +1157,23 @@ fn a_down_server_whose_metrics_come_drains_by_its_scrape() -> Result<()> {
     })
 }
 
-/// `scraped`'s result for every target: each server running what `running` says of it,
-/// nothing waiting, or its scrape failing where it says None.
+/// A round of scrapes of every target, as [`answered`] says it goes.
 fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> Option<f64>) {
+    let targets = c.scrape_targets();
+    c.scraped(answered(targets, running));
+}
+
+/// `scraped`'s results for `targets`: each server running what `running` says of it,
+/// nothing waiting, or its scrape failing where it says None.
+fn answered(
+    targets: Vec<balancer_agent::controller::ScrapeTarget>,
+    running: &dyn Fn(SocketAddr) -> Option<f64>,
+) -> Vec<(
+    balancer_agent::controller::ScrapeTarget,
+    Result<balancer_agent::dialect::Reading, balancer_agent::scrape::ScrapeError>,
+)> {
     use balancer_agent::dialect::{Dialect, Reading};
-    let results = c
-        .scrape_targets()
+    targets
         .into_iter()
         .map(|t| {
             let result = match running(t.key.1) {
@@ -1182,8 +1193,7 @@ fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> Option<f64
             };
             (t, result)
         })
-        .collect();
-    c.scraped(results);
+        .collect()
 }
 
 /// A scrape sent before a reload took a server out and another brought it back (a new id) is
@@ -1192,7 +1202,6 @@ fn scrape_running(c: &mut Controller, running: &dyn Fn(SocketAddr) -> Option<f64
 #[test]
 fn a_scrape_of_a_servers_earlier_id_is_left_out() -> Result<()> {
     in_topology(|| {
-        use balancer_agent::dialect::{Dialect, Reading};
         let n = &v4();
         let full = config(std::slice::from_ref(n));
         let mut without = full.clone();
@@ -1202,22 +1211,7 @@ fn a_scrape_of_a_servers_earlier_id_is_left_out() -> Result<()> {
         let sent = controller.scrape_targets();
         controller.reconfigure(without)?;
         controller.reconfigure(full)?;
-        let results = sent
-            .into_iter()
-            .map(|t| {
-                let reading = Reading {
-                    dialect: Dialect::Plain,
-                    running: 5.0,
-                    waiting: 0.0,
-                    kv_usage: None,
-                    ttft: None,
-                    progress: None,
-                    ignored: None,
-                };
-                (t, Ok(reading))
-            })
-            .collect();
-        controller.scraped(results);
+        controller.scraped(answered(sent, &|_| Some(5.0)));
         let running =
             |pool: &str| -> Result<Option<f64>> { Ok(controller.show(pool)?.servers[0].running) };
         ensure!(
