@@ -1054,7 +1054,9 @@ fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<
 
 /// What to say after native XDP on interface `name` was refused with `e`, when the kernel
 /// refused the program for the frames (EINVAL, ERANGE, EOPNOTSUPP) and the interface has jumbo
-/// frames, the likely reason; `or` is another way out, if any. Nothing otherwise.
+/// frames, the likely reason: the program takes a frame in several buffers (`xdp.frags`),
+/// but a driver without multi-buffer XDP (ixgbe, for one) hands it only frames that fit in
+/// one. `or` is another way out, if any. Nothing otherwise.
 fn mtu_hint(name: &str, e: &ProgramError, or: &str) -> String {
     let errno = std::iter::successors(Some(e as &dyn std::error::Error), |e| e.source())
         .find_map(|e| e.downcast_ref::<std::io::Error>()?.raw_os_error());
@@ -1066,9 +1068,9 @@ fn mtu_hint(name: &str, e: &ProgramError, or: &str) -> String {
         .and_then(|m| m.trim().parse::<u32>().ok());
     match mtu {
         Some(mtu) if mtu > 1500 => format!(
-            "; its MTU is {mtu}, and drivers run an XDP program without multi-buffer support, \
-             as this one is, only up to an MTU of 3000 to 3500 or so, depending on the driver \
-             (veth: on either end): lower the MTU{or}"
+            "; its MTU is {mtu}, and a driver without multi-buffer XDP support runs XDP \
+             programs natively only up to an MTU of 3000 to 3500 or so (the program supports \
+             multi-buffer frames; the driver or kernel may not): lower the MTU{or}"
         ),
         _ => String::new(),
     }

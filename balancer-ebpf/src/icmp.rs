@@ -38,8 +38,10 @@ pub fn answers(ctx: &XdpContext, pkt: &Packet) -> bool {
     if pkt.vlan || (pkt.key.family == FAMILY_V4 && !pkt.df) {
         return false;
     }
-    // In: 0, the frame's own length; out: the ingress MTU, unused. Interface 0: the ingress.
-    let mut mtu: u32 = 0;
+    // In: the packet's L3 length (the helper would take the first buffer's length for 0,
+    // short of a multi-buffer frame's); out: the ingress MTU, unused. Interface 0: the
+    // ingress.
+    let mut mtu = u32::from(pkt.len);
     // SAFETY: a helper call on this program's own context, with a valid pointer.
     let fits = unsafe { bpf_check_mtu(ctx.ctx as *mut c_void, 0, &mut mtu, 0, 0) };
     fits == i64::from(BPF_MTU_CHK_RET_SUCCESS)

@@ -22,7 +22,7 @@ use balancer_common::{csum, FlowKey, FAMILY_V4, FAMILY_V6, IPPROTO_TCP};
 use crate::{
     icmp::{ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, QUOTED_L4, V4_HLEN},
     nat::{get, put},
-    parse::{load, Packet, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
+    parse::{frame_len, load, Packet, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
 };
 
 const TCP_CHECK: usize = 16;
@@ -68,9 +68,7 @@ fn parse_v4(ctx: &XdpContext, l3: usize, vlan: bool) -> Option<Quoted> {
     let icmp = l3 + V4_HLEN;
     let inner_l3 = icmp + ICMP_HLEN;
     let inner_l4 = inner_l3 + V4_HLEN;
-    if usize::from(len) < inner_l4 + QUOTED_L4 - l3
-        || l3 + usize::from(len) > ctx.data_end() - ctx.data()
-    {
+    if usize::from(len) < inner_l4 + QUOTED_L4 - l3 || l3 + usize::from(len) > frame_len(ctx) {
         return None;
     }
     let kind: u8 = load(ctx, icmp).ok()?;
@@ -108,7 +106,7 @@ fn parse_v6(ctx: &XdpContext, l3: usize, vlan: bool) -> Option<Quoted> {
     let icmp = l3 + IPV6_HLEN;
     let inner_l3 = icmp + ICMP_HLEN;
     let inner_l4 = inner_l3 + IPV6_HLEN;
-    if payload < inner_l4 + QUOTED_L4 - icmp || icmp + payload > ctx.data_end() - ctx.data() {
+    if payload < inner_l4 + QUOTED_L4 - icmp || icmp + payload > frame_len(ctx) {
         return None;
     }
     let kind: u8 = load(ctx, icmp).ok()?;

@@ -47,8 +47,10 @@ const NOT_TCP: u32 = u32::MAX;
 
 /// TCP and everything else in two BPF subprograms, each with a stack frame of its own: the
 /// verifier bounds the frames of a chain of calls together, and one frame would not hold
-/// both paths' variables.
-#[xdp]
+/// both paths' variables. Multi-buffer aware (`xdp.frags`), so that drivers run it natively
+/// on interfaces with jumbo frames: it reads and rewrites only headers, which are in the
+/// first buffer, and takes lengths from the whole frame (see `parse`).
+#[xdp(frags)]
 pub fn balancer(ctx: XdpContext) -> u32 {
     count(Counter::Packets);
     match tcp(ctx.ctx) {

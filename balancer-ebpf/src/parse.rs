@@ -1,10 +1,14 @@
 //! Header parsing. Every read is bounds-checked against `data_end`; anything this program
 //! does not fully understand is reported as a pass reason so that the caller leaves the
 //! packet untouched.
+//!
+//! A frame may come in several buffers (XDP multi-buffer, for MTUs past a page: the program
+//! is loaded as `xdp.frags`). `data..data_end` is then only the first buffer, which holds
+//! the headers; the lengths in them are checked against the whole frame's ([`frame_len`]).
 
 use core::mem::size_of;
 
-use aya_ebpf::programs::XdpContext;
+use aya_ebpf::{helpers::bpf_xdp_get_buff_len, programs::XdpContext};
 use balancer_common::{Counter, FlowKey, FAMILY_V4, FAMILY_V6, IPPROTO_TCP};
 
 pub const TCP_FIN: u8 = 0x01;
@@ -46,6 +50,13 @@ pub fn load<T: Copy>(ctx: &XdpContext, off: usize) -> Result<T, Counter> {
     Ok(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
 }
 
+/// The whole frame's length, every buffer of it.
+#[inline(always)]
+pub fn frame_len(ctx: &XdpContext) -> usize {
+    // SAFETY: a helper call on this program's own context.
+    unsafe { bpf_xdp_get_buff_len(ctx.ctx) as usize }
+}
+
 #[inline(always)]
 fn load_be16(ctx: &XdpContext, off: usize) -> Result<u16, Counter> {
     load::<u16>(ctx, off).map(u16::from_be)
@@ -72,7 +83,7 @@ pub fn network(ctx: &XdpContext) -> Result<(u16, usize, bool), Counter> {
 #[inline(always)]
 pub fn parse(ctx: &XdpContext) -> Result<Packet, Counter> {
     let (proto, l3, vlan) = network(ctx)?;
-    let frame_len = ctx.data_end() - ctx.data();
+    let frame_len = frame_len(ctx);
     match proto {
         ETH_P_IP => parse_v4(ctx, l3, frame_len, vlan),
         ETH_P_IPV6 => parse_v6(ctx, l3, frame_len, vlan),
@@ -180,7 +191,8 @@ fn parse_v6(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         ttl: head[7],
         tos: 0,
         df: true,
-        // A linear frame is never that long; saturated rather than wrapped all the same.
+        // With its header, a payload of near 64 KiB (a coalesced frame, in generic mode)
+        // passes 16 bits: saturated rather than wrapped, it is too big for any MTU still.
         len: len.min(usize::from(u16::MAX)) as u16,
         vlan,
     })
@@ -194,7 +206,8 @@ fn parse_tcp(ctx: &XdpContext, l4: usize, l4_len: usize) -> Result<(u16, u16, u8
     if doff < TCP_HLEN || doff > l4_len {
         return Err(Counter::PassMalformed);
     }
-    // The options must be there too: a frame cut inside them is truncated.
+    // The options must be there too, in the first buffer: a frame cut inside them is
+    // truncated (a driver that splits a frame puts at least the headers first).
     if l4 + doff > ctx.data_end() - ctx.data() {
         return Err(Counter::PassTruncated);
     }

@@ -432,8 +432,28 @@ impl Topology {
         Ok(())
     }
 
+    /// Sets the MTU of every link of the gateway scenario, both ends (jumbo frames end to
+    /// end); the bridge follows its ports.
+    pub fn set_mtu(&self, mtu: u32) -> Result<()> {
+        let mtu = mtu.to_string();
+        let mut ends = vec![(&self.client, "c0".to_owned()), (&self.gw, "g0".to_owned())];
+        ends.extend([(&self.gw, "g1".to_owned()), (&self.sw, "s0".to_owned())]);
+        for (i, backend) in self.backends.iter().enumerate() {
+            ends.extend([(&self.sw, switch_port(i)), (backend, "eth0".to_owned())]);
+        }
+        for (ns, dev) in ends {
+            ns.ip(&["link", "set", &dev, "mtu", &mtu])?;
+        }
+        Ok(())
+    }
+
     pub fn gw(&self) -> &Netns {
         &self.gw
+    }
+
+    /// The switch between the gateway and the backends.
+    pub fn sw(&self) -> &Netns {
+        &self.sw
     }
 
     /// The second gateway ([`Topology::add_second_gateway`]).

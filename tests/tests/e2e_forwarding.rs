@@ -171,6 +171,89 @@ fn generic_mode(topology: &mut Topology, agent: &Path) -> Result<()> {
     agent.stop()
 }
 
+/// Jumbo frames (MTU 9000 on every link) in native mode: the program is multi-buffer aware,
+/// so veth runs it natively at that MTU and hands it frames longer than a page in several
+/// buffers. Downloads and uploads cross the gateway whole, in frames of about the MTU.
+#[test]
+fn jumbo_frames_cross_in_native_mode() {
+    on_topology(jumbo_frames);
+}
+
+fn jumbo_frames(topology: &mut Topology, agent: &Path) -> Result<()> {
+    const MTU: u32 = 9000;
+    // A download is read up to 64 KiB (`client::get_bytes`): seven jumbo frames.
+    const DOWNLOAD: usize = 60 << 10;
+    const UPLOAD: usize = 1 << 20;
+    topology.set_mtu(MTU)?;
+    let mut config = config(topology);
+    config.agent.xdp_mode = Some("native".into());
+    let agent = Agent::start(topology, agent, &config)?;
+    let attached = topology.gateway_xdp()?;
+    ensure!(
+        attached.len() == 2 && attached.iter().all(|a| !a.contains("xdpgeneric")),
+        "not attached natively: {attached:?}"
+    );
+    // The links the gateway sends the transfers' data out of, as their far ends count it,
+    // and the mean frame each must show: the server writes its answer in pieces, which
+    // make frames past a 1500 MTU's; the client's upload is sent in full segments, past
+    // what veth takes in one buffer (about 3500).
+    let (client, switch) = (topology.client(), topology.sw());
+    let (down, up) = (
+        (client, "c0", "return", 1514),
+        (switch, "s0", "forward", 4000),
+    );
+    for (what, (ns, dev, counter, least), bytes, ports, transfer) in [
+        (
+            "download",
+            down,
+            DOWNLOAD,
+            [49010, 49011],
+            &(|vip, port| client::get_bytes(vip, port, DOWNLOAD)) as &Transfer,
+        ),
+        (
+            "upload",
+            up,
+            UPLOAD,
+            [49012, 49013],
+            &(|vip, port| client::post_length(vip, port, UPLOAD)) as &Transfer,
+        ),
+    ] {
+        let before = received(ns, dev)?;
+        each_family(
+            &agent,
+            topology.client(),
+            ports,
+            (counter, (bytes / MTU as usize) as u64),
+            transfer,
+            |reply| match what {
+                "download" => reply.body.len() == bytes,
+                _ => reply.body == format!("{bytes}\n"),
+            },
+        )?;
+        let after = received(ns, dev)?;
+        let mean = (after.0 - before.0) / (after.1 - before.1).max(1);
+        println!("{what}: {dev} received frames of {mean} bytes on average");
+        ensure!(
+            mean > least,
+            "{what}: {dev} received frames of {mean} bytes on average, not over {least}"
+        );
+    }
+    agent.stop()
+}
+
+type Transfer = dyn Fn(SocketAddr, u16) -> Result<client::Reply> + Sync;
+
+/// What `dev` in `ns` has received: bytes and packets.
+fn received(ns: &Netns, dev: &str) -> Result<(u64, u64)> {
+    let json = ns.ip(&["-s", "-j", "link", "show", "dev", dev])?;
+    let links: serde_json::Value = serde_json::from_str(&json)?;
+    let rx = &links[0]["stats64"]["rx"];
+    rx["bytes"]
+        .as_u64()
+        .zip(rx["packets"].as_u64())
+        .with_context(|| format!("{dev}'s received bytes and packets in {json}"))
+}
+
 /// One transfer through each family's VIP, from `ports`, made in `ns` by `transfer`: it must
 /// be answered 200 as `expected` says, and the agent's `counter` must move by at least
 /// `at_least` meanwhile, or the path the test is about was not taken.
