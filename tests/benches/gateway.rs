@@ -25,6 +25,10 @@
 //! server return (`forwarding = "dsr"`). Its servers answer the client over a link of the
 //! client's own to their switch, not through the gateway, so its path is not the others'.
 //!
+//! Also for context, after those rounds: the bulk phase again with jumbo frames (MTU 9000
+//! on every link), ours, nftables and HAProxy in rounds of their own, as inference
+//! clusters often run.
+//!
 //! `cargo bench -p balancer-tests --bench gateway [-- --quick]`, as root.
 
 use std::path::Path;
@@ -65,6 +69,9 @@ enum System {
 }
 
 const SYSTEMS: [System; 4] = [System::Xdp, System::Nft, System::Haproxy, System::XdpDsr];
+/// The systems of the jumbo-frame rounds, in the order of `SYSTEMS`.
+const JUMBO_SYSTEMS: [System; 3] = [System::Xdp, System::Nft, System::Haproxy];
+const JUMBO_MTU: u32 = 9000;
 
 impl System {
     fn label(self) -> &'static str {
@@ -92,11 +99,19 @@ struct Sample {
     cps: Option<f64>,
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
-    gbps: Option<f64>,
     gateway_cpu_ms_per_1k: Option<f64>,
     machine_cpu_ms_per_1k: Option<f64>,
-    /// During the bulk phase: TCP segments retransmitted (every namespace) per thousand the
-    /// client received, and packets the links dropped on transmit.
+    bulk: Bulk,
+    /// Of the connections/s and latency phases; the bulk phase's are in `bulk`.
+    errors: u64,
+}
+
+/// One system's bulk phase in one round.
+#[derive(Debug, Clone, Default)]
+struct Bulk {
+    gbps: Option<f64>,
+    /// TCP segments retransmitted (every namespace) per thousand the client received, and
+    /// packets the links dropped on transmit.
     retrans_per_1k: Option<f64>,
     link_drops: Option<f64>,
     errors: u64,
@@ -144,11 +159,15 @@ fn main() -> Result<()> {
     topology.direct_return()?;
     topology.attach_xdp_pass(Path::new(XDP_PASS))?;
     let servers = start_servers(&topology)?;
-    let result = rounds(&topology, &agent, &plan);
+    let result = rounds(&topology, &agent, &plan).and_then(|samples| {
+        topology.set_mtu(JUMBO_MTU)?;
+        Ok((samples, jumbo_rounds(&topology, &agent, &plan)?))
+    });
     drop(servers);
     drop(topology);
-    let samples = result?;
-    let report = report(&plan, quick, &samples, started.elapsed());
+    let (samples, jumbo) = result?;
+    let mut report = report(&plan, quick, &samples, started.elapsed());
+    jumbo_report(&plan, &jumbo, &mut report);
     report.write()
 }
 
@@ -190,12 +209,38 @@ fn rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Samp
                 fmt(sample.cps, 0),
                 fmt(sample.p50_ms, 2),
                 fmt(sample.p99_ms, 2),
-                fmt(sample.gbps, 2),
+                fmt(sample.bulk.gbps, 2),
                 fmt(sample.gateway_cpu_ms_per_1k, 1),
-                sample.errors,
+                sample.errors + sample.bulk.errors,
                 t.elapsed().as_secs_f64()
             );
             samples[s].push(sample);
+        }
+    }
+    Ok(samples)
+}
+
+/// The bulk phase alone, every round running each of `JUMBO_SYSTEMS`, the order rotating;
+/// returns the samples by system.
+fn jumbo_rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Bulk>>> {
+    let mut samples = vec![Vec::new(); JUMBO_SYSTEMS.len()];
+    for round in 0..plan.rounds {
+        for k in 0..JUMBO_SYSTEMS.len() {
+            let s = (k + round) % JUMBO_SYSTEMS.len();
+            let system = JUMBO_SYSTEMS[s];
+            let bulk = with_system(topology, agent, system, |_| {
+                warm_up(topology, plan)?;
+                bulk(topology, plan)
+            })
+            .with_context(|| format!("jumbo round {}, {}", round + 1, system.label()))?;
+            eprintln!(
+                "jumbo round {} {:<20} {} Gbit/s  errors {}",
+                round + 1,
+                system.label(),
+                fmt(bulk.gbps, 2),
+                bulk.errors
+            );
+            samples[s].push(bulk);
         }
     }
     Ok(samples)
@@ -287,14 +332,19 @@ fn ms(d: Duration) -> String {
     d.as_millis().to_string()
 }
 
-fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result<Sample> {
-    let target = Family::V4.vip().to_string();
-    let args = |mode: &str, extra: &[String]| -> Vec<String> {
-        let mut a = vec![mode.to_owned(), "--target".to_owned(), target.clone()];
-        a.extend_from_slice(extra);
-        a
-    };
-    // Warm-up, not counted: neighbours, conntrack, HAProxy's first connections.
+/// `loadgen`'s arguments for `mode` against the VIP, then `extra`.
+fn args(mode: &str, extra: &[String]) -> Vec<String> {
+    let mut a = vec![
+        mode.to_owned(),
+        "--target".to_owned(),
+        Family::V4.vip().to_string(),
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// Connections not counted: neighbours, conntrack, HAProxy's first connections.
+fn warm_up(topology: &Topology, plan: &Plan) -> Result<()> {
     loadgen(
         topology,
         &args(
@@ -306,8 +356,12 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
                 ms(plan.warmup),
             ],
         ),
-    )?;
+    )
+    .map(drop)
+}
 
+fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result<Sample> {
+    warm_up(topology, plan)?;
     let cpu0 = MachineCpu::now()?;
     let own0 = pid.map(cpu_seconds).transpose()?;
     let rate = loadgen(
@@ -342,6 +396,21 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
             ],
         ),
     )?;
+    let bulk = bulk(topology, plan)?;
+    let us_to_ms = |v: &Value| v.as_f64().map(|us| us / 1e3);
+    Ok(Sample {
+        cps: rate["per_second"].as_f64().filter(|_| connections > 0.0),
+        p50_ms: us_to_ms(&latency["p50_us"]),
+        p99_ms: us_to_ms(&latency["p99_us"]),
+        gateway_cpu_ms_per_1k: per_1k(machine.softirq + own),
+        machine_cpu_ms_per_1k: per_1k(machine.busy),
+        bulk,
+        errors: errors(&rate) + errors(&latency),
+    })
+}
+
+/// The bulk phase: `plan.streams` long streams, and the loss on their path.
+fn bulk(topology: &Topology, plan: &Plan) -> Result<Bulk> {
     let path0 = PathCounters::read(topology)?;
     let bulk = loadgen(
         topology,
@@ -356,29 +425,23 @@ fn measure(topology: &Topology, plan: &Plan, pid: Option<libc::pid_t>) -> Result
         ),
     )?;
     let path = PathCounters::read(topology)?.since(&path0);
-    let errors = [&rate, &latency, &bulk]
-        .iter()
-        .map(|v| v["errors"].as_u64().unwrap_or(0))
-        .sum();
-    for v in [&rate, &latency, &bulk] {
-        if v["errors"].as_u64() != Some(0) {
-            eprintln!("  {} errors: {}", v["mode"], v["error_kinds"]);
-        }
-    }
-    let us_to_ms = |v: &Value| v.as_f64().map(|us| us / 1e3);
     let bytes = bulk["bytes_per_second"].as_f64().filter(|b| *b > 0.0);
-    Ok(Sample {
-        cps: rate["per_second"].as_f64().filter(|_| connections > 0.0),
-        p50_ms: us_to_ms(&latency["p50_us"]),
-        p99_ms: us_to_ms(&latency["p99_us"]),
+    Ok(Bulk {
         gbps: bytes.map(|b| b * 8.0 / 1e9),
-        gateway_cpu_ms_per_1k: per_1k(machine.softirq + own),
-        machine_cpu_ms_per_1k: per_1k(machine.busy),
         retrans_per_1k: (path.client_in_segs > 0)
             .then(|| path.retrans_segs as f64 * 1e3 / path.client_in_segs as f64),
         link_drops: Some(path.link_drops as f64),
-        errors,
+        errors: errors(&bulk),
     })
+}
+
+/// The failed requests of one `loadgen` run, their kinds printed if any.
+fn errors(summary: &Value) -> u64 {
+    let errors = summary["errors"].as_u64().unwrap_or(0);
+    if errors != 0 {
+        eprintln!("  {} errors: {}", summary["mode"], summary["error_kinds"]);
+    }
+    errors
 }
 
 /// Loss on the bulk streams' path, which the throughput line alone does not show: what the
@@ -471,7 +534,7 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
             label: format!("bulk throughput, {} long streams (Gbit/s)", plan.streams),
             higher_is_better: true,
             decimals: 2,
-            get: |s| s.gbps,
+            get: |s| s.bulk.gbps,
         },
         Figure {
             key: "gateway_cpu_ms_per_1k",
@@ -598,13 +661,13 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
             "retrans_per_1k",
             "(context) bulk: TCP segments retransmitted per 1000 the client received (client, gateway, backends)",
             1,
-            (|x: &Sample| x.retrans_per_1k) as fn(&Sample) -> Option<f64>,
+            (|x: &Sample| x.bulk.retrans_per_1k) as fn(&Sample) -> Option<f64>,
         ),
         (
             "link_drops",
             "(context) bulk: packets the links dropped on transmit, the receiving end's ring full",
             0,
-            |x: &Sample| x.link_drops,
+            |x: &Sample| x.bulk.link_drops,
         ),
     ] {
         let v: Vec<Option<f64>> = (0..SYSTEMS.len()).map(|s| med(s, get)).collect();
@@ -621,7 +684,7 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
     }
     let errors: Vec<u64> = samples
         .iter()
-        .map(|s| s.iter().map(|x| x.errors).sum())
+        .map(|s| s.iter().map(|x| x.errors + x.bulk.errors).sum())
         .collect();
     md += &format!(
         "| failed requests, all phases and rounds | {} | {} | {} | | | | {} |\n\n",
@@ -637,7 +700,7 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
                     "{} / {} / {} / {}",
                     fmt(x.cps, 0),
                     fmt(x.p99_ms, 2),
-                    fmt(x.gbps, 2),
+                    fmt(x.bulk.gbps, 2),
                     fmt(x.gateway_cpu_ms_per_1k, 1)
                 )
             })
@@ -658,6 +721,90 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
         verdicts.join(", ")
     ));
     out
+}
+
+/// The jumbo-frame rounds' table, appended to `out`: context, outside the goal.
+fn jumbo_report(plan: &Plan, samples: &[Vec<Bulk>], out: &mut Report) {
+    let mut md = format!(
+        "### Bulk throughput with jumbo frames (context)\n\n\
+         The bulk phase again after those rounds, with MTU {JUMBO_MTU} on every link (\
+         inference clusters often run jumbo frames): {} round(s) of ours (native mode: the \
+         program takes frames longer than a page in several buffers), nftables and \
+         HAProxy, the order rotating; medians. Outside the goal, which is the table above's.\n\n\
+         | figure | ours (XDP) | nftables | HAProxy | ours vs nftables | ours vs HAProxy |\n\
+         |---|---:|---:|---:|---:|---:|\n",
+        plan.rounds
+    );
+    for (key, label, decimals, higher_is_better, get) in [
+        (
+            "gbps",
+            format!("bulk throughput, {} long streams (Gbit/s)", plan.streams),
+            2,
+            true,
+            (|b: &Bulk| b.gbps) as fn(&Bulk) -> Option<f64>,
+        ),
+        (
+            "retrans_per_1k",
+            "TCP segments retransmitted per 1000 the client received".into(),
+            1,
+            false,
+            |b: &Bulk| b.retrans_per_1k,
+        ),
+        (
+            "link_drops",
+            "packets the links dropped on transmit".into(),
+            0,
+            false,
+            |b: &Bulk| b.link_drops,
+        ),
+    ] {
+        let v: Vec<Option<f64>> = samples
+            .iter()
+            .map(|s| median(&s.iter().map(get).collect::<Vec<_>>()))
+            .collect();
+        let ahead = |theirs: Option<f64>| -> Option<f64> {
+            let (ours, theirs) = (v[0]?, theirs?);
+            let r = if higher_is_better {
+                ours / theirs
+            } else {
+                theirs / ours
+            };
+            r.is_finite().then_some(r)
+        };
+        // Only throughput is a ratio worth reading; no loss at all would divide by zero.
+        let (vs_nft, vs_hap) = if higher_is_better {
+            (fmt(ahead(v[1]), 2) + "x", fmt(ahead(v[2]), 2) + "x")
+        } else {
+            (String::new(), String::new())
+        };
+        md += &format!(
+            "| {label} | {} | {} | {} | {vs_nft} | {vs_hap} |\n",
+            fmt(v[0], decimals),
+            fmt(v[1], decimals),
+            fmt(v[2], decimals),
+        );
+        for (system, value) in JUMBO_SYSTEMS.iter().zip(&v) {
+            out.figures
+                .insert(format!("jumbo.{}.{key}", system.key()), *value);
+        }
+        if higher_is_better {
+            out.summary.push(format!(
+                "gateway  jumbo {key:<38} ours {:>9}  nft {:>9}  haproxy {:>9}  ({vs_nft}, {vs_hap}) context",
+                fmt(v[0], decimals),
+                fmt(v[1], decimals),
+                fmt(v[2], decimals),
+            ));
+        }
+    }
+    let errors: Vec<u64> = samples
+        .iter()
+        .map(|s| s.iter().map(|b| b.errors).sum())
+        .collect();
+    md += &format!(
+        "| failed requests | {} | {} | {} | | |\n\n",
+        errors[0], errors[1], errors[2]
+    );
+    out.markdown += &md;
 }
 
 fn haproxy_version() -> String {
