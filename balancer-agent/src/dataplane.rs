@@ -35,7 +35,7 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{config, map_ops, objects, pins::Pins, plan::Plan, sync::Kind};
+use crate::{config, map_ops, objects, pins::Pins, plan::Plan, sync::Kind, xdp_features::Netdev};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -162,6 +162,12 @@ pub struct Dataplane {
     replies: BpfHashMap<MapData, ReplyKey, Replies>,
     /// The interfaces the program may send frames out of.
     egress: DevMapHash<MapData>,
+    /// Those of them whose driver transmits frames in several buffers (`EGRESS_FRAGS`).
+    egress_frags: DevMapHash<MapData>,
+    /// What [`Dataplane::note_multi_buffer`] last found of each interface index.
+    multi_buffer: HashMap<u32, bool>,
+    /// Asking the kernel for drivers' XDP features failed last time (said once a streak).
+    multi_buffer_failing: bool,
     buckets: Array<MapData, Bucket>,
     /// `BackendLoad` per backend: three slots each.
     load: MappedSlots,
@@ -264,6 +270,7 @@ impl Dataplane {
         let replies = BpfHashMap::try_from(take(&mut ebpf, "REPLIES")?)?;
         let egress = DevMapHash::try_from(take(&mut ebpf, "EGRESS")?)?;
         let egress_at_load = egress.keys().filter_map(Result::ok).collect();
+        let egress_frags = DevMapHash::try_from(take(&mut ebpf, "EGRESS_FRAGS")?)?;
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
         let opens = MappedSlots::new(take(&mut ebpf, "OPENS")?, "OPENS", MAX_BACKENDS)?;
@@ -286,6 +293,9 @@ impl Dataplane {
             flows_id,
             replies,
             egress,
+            egress_frags,
+            multi_buffer: HashMap::new(),
+            multi_buffer_failing: false,
             buckets,
             load,
             opens,
@@ -533,11 +543,13 @@ impl Dataplane {
     /// on the new ones would go to the stack. One that is gone waits for its return.
     pub fn relink(&mut self) -> Result<()> {
         let mut present = Vec::new();
+        let mut indexes = Vec::new();
         let mut moved = Vec::new();
         for (name, a) in &self.links {
             match interface_index(name) {
                 Ok(index) => {
                     present.push(name.clone());
+                    indexes.push((name.clone(), index));
                     if index != a.ifindex {
                         moved.push((name.clone(), index));
                     }
@@ -552,6 +564,7 @@ impl Dataplane {
                 }
             }
         }
+        self.note_multi_buffer(&indexes);
         if moved.is_empty() {
             return Ok(());
         }
@@ -600,21 +613,95 @@ impl Dataplane {
     /// a frame came in on (`EGRESS`).
     pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
         let wanted = self.allow_egress(interfaces)?;
-        egress_only(&mut self.egress, &wanted)
+        egress_only(&mut self.egress, &wanted)?;
+        let stale: Vec<u32> = (self.egress_frags.keys().filter_map(Result::ok))
+            .filter(|i| !wanted.contains(i))
+            .collect();
+        for index in stale {
+            self.multi_buffer.remove(&index);
+            self.egress_frags
+                .remove(index)
+                .with_context(|| format!("removing interface {index} from EGRESS_FRAGS"))?;
+        }
+        Ok(())
     }
 
     /// Lets the program send out of `interfaces`, besides those it may already; returns
     /// their indexes.
     fn allow_egress(&mut self, interfaces: &[String]) -> Result<HashSet<u32>> {
         let mut indexes = HashSet::new();
+        let mut named = Vec::new();
         for name in interfaces {
             let index = interface_index(name)?;
             indexes.insert(index);
+            named.push((name.clone(), index));
             self.egress
                 .insert(index, index, None, 0)
                 .with_context(|| format!("letting the program send out of {name}"))?;
         }
+        self.note_multi_buffer(&named);
         Ok(indexes)
+    }
+
+    /// Records which of `interfaces` (name, index) have a driver that transmits frames in
+    /// several buffers redirected to it (`EGRESS_FRAGS`), as the kernel says now: veth does
+    /// once its peer has an XDP program, and other drivers may change with their settings,
+    /// so [`Dataplane::relink`] asks again every second. Where the kernel cannot say (before
+    /// 6.3) or asking fails, none does, and jumbo frames towards them take the stack.
+    fn note_multi_buffer(&mut self, interfaces: &[(String, u32)]) {
+        let asked = Netdev::open().and_then(|netdev| {
+            interfaces
+                .iter()
+                .map(|(name, index)| Ok((name, *index, netdev.transmits_multi_buffer(*index)?)))
+                .collect::<Result<Vec<_>>>()
+        });
+        let found = match asked {
+            Ok(found) => {
+                self.multi_buffer_failing = false;
+                found
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut self.multi_buffer_failing, true) {
+                    warn!("asking the kernel which drivers transmit frames in several buffers from XDP: {e:#}; jumbo frames take the stack");
+                }
+                interfaces
+                    .iter()
+                    .map(|(name, index)| (name, *index, false))
+                    .collect()
+            }
+        };
+        for (name, index, takes) in found {
+            let before = self.multi_buffer.insert(index, takes);
+            if before == Some(takes) {
+                continue;
+            }
+            let written = if takes {
+                self.egress_frags
+                    .insert(index, index, None, 0)
+                    .map_err(anyhow::Error::from)
+            } else if self.egress_frags.get(index, 0).is_ok() {
+                // Left by an earlier agent, or found before.
+                self.egress_frags.remove(index).map_err(anyhow::Error::from)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = written {
+                // Asked again at the next relink.
+                self.multi_buffer.remove(&index);
+                warn!(interface = %name, "writing EGRESS_FRAGS: {e}");
+                continue;
+            }
+            let jumbo = interface_mtu(name).is_some_and(|mtu| mtu > 1500);
+            match (takes, jumbo || before.is_some()) {
+                (true, _) => {
+                    info!(interface = %name, "its driver transmits frames in several buffers from XDP: jumbo frames towards it are redirected")
+                }
+                (false, true) => {
+                    warn!(interface = %name, "its driver does not transmit frames in several buffers from XDP (NETDEV_XDP_ACT_NDO_XMIT_SG), or the kernel cannot say: jumbo frames towards it take the stack")
+                }
+                (false, false) => {}
+            }
+        }
     }
 
     fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
@@ -1063,10 +1150,7 @@ fn mtu_hint(name: &str, e: &ProgramError, or: &str) -> String {
     if !matches!(errno, Some(libc::EINVAL | libc::ERANGE | libc::EOPNOTSUPP)) {
         return String::new();
     }
-    let mtu = std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
-        .ok()
-        .and_then(|m| m.trim().parse::<u32>().ok());
-    match mtu {
+    match interface_mtu(name) {
         Some(mtu) if mtu > 1500 => format!(
             "; its MTU is {mtu}, and a driver without multi-buffer XDP support runs XDP \
              programs natively only up to an MTU of 3000 to 3500 or so (the program supports \
@@ -1074,6 +1158,13 @@ fn mtu_hint(name: &str, e: &ProgramError, or: &str) -> String {
         ),
         _ => String::new(),
     }
+}
+
+/// The MTU of interface `name`, if it can be read.
+fn interface_mtu(name: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
+        .ok()
+        .and_then(|m| m.trim().parse().ok())
 }
 
 /// `e`, from attaching to interface `name`, saying what to do when the kernel refused
@@ -1223,4 +1314,32 @@ pub fn monotonic_ns() -> u64 {
     // SAFETY: a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use aya::sys::SyscallError;
+
+    use super::*;
+
+    fn refused(errno: i32) -> ProgramError {
+        ProgramError::SyscallError(SyscallError {
+            call: "bpf_link_create",
+            io_error: std::io::Error::from_raw_os_error(errno),
+        })
+    }
+
+    #[test]
+    fn the_mtu_hint_is_for_a_refusal_about_the_frames_past_1500() {
+        // `lo` has an MTU of 65536.
+        let hint = mtu_hint("lo", &refused(libc::EINVAL), ", or use generic mode");
+        assert!(
+            hint.contains("its MTU is 65536")
+                && hint.ends_with("lower the MTU, or use generic mode"),
+            "{hint}"
+        );
+        assert!(mtu_hint("lo", &refused(libc::EOPNOTSUPP), "").contains("multi-buffer"));
+        assert_eq!(mtu_hint("lo", &refused(libc::EBUSY), ""), "");
+        assert_eq!(mtu_hint("no-such-if", &refused(libc::EINVAL), ""), "");
+    }
 }

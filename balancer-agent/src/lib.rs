@@ -21,3 +21,4 @@ pub mod run;
 pub mod scrape;
 pub mod sweep;
 pub mod sync;
+pub mod xdp_features;

@@ -23,10 +23,17 @@ use tracing::warn;
 use crate::objects;
 
 /// Maps that hold no state to carry over (the ring of shared flows, the next-hop cache, the
-/// interfaces to send out of, the rate limits' allowances): one that an earlier build did
+/// interfaces to send out of and which take frames in several buffers, the rate limits'
+/// allowances): one that an earlier build did
 /// not pin is created and pinned (and filled before the program runs), and the upgrade goes
 /// on.
-const CREATED_IF_MISSING: [&str; 4] = ["FLOW_EVENTS", "HOPS", "EGRESS", "ALLOWANCES"];
+const CREATED_IF_MISSING: [&str; 5] = [
+    "FLOW_EVENTS",
+    "HOPS",
+    "EGRESS",
+    "EGRESS_FRAGS",
+    "ALLOWANCES",
+];
 
 /// `f_type` of a bpffs mount (`BPF_FS_MAGIC`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;

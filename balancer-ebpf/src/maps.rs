@@ -63,6 +63,14 @@ pub static HOPS: PerCpuArray<BackendHop> = PerCpuArray::with_max_entries(MAX_BAC
 #[map]
 pub static EGRESS: DevMapHash = DevMapHash::with_max_entries(MAX_INTERFACES, 0);
 
+/// The interfaces of `EGRESS` whose driver transmits frames in several buffers redirected
+/// to it (`NETDEV_XDP_ACT_NDO_XMIT_SG`, which the agent reads from the kernel), the map a
+/// frame in several buffers is redirected through. The kernel drops such a frame redirected
+/// to any other, uncounted, after the program returned: towards one, it goes to the stack
+/// (`pass_egress`), or for DSR is dropped (`drop_dsr_egress`).
+#[map]
+pub static EGRESS_FRAGS: DevMapHash = DevMapHash::with_max_entries(MAX_INTERFACES, 0);
+
 /// Backend (address, port) -> the VIPs it serves. A packet from a backend is a reply of ours
 /// if the flow `its destination -> one of these VIPs` names that backend; a packet from
 /// anywhere else is not ours without a look at the flow table.

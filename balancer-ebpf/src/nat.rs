@@ -15,8 +15,8 @@ use aya_ebpf::{
 use balancer_common::{csum, Counter, NextHop, FAMILY_V4};
 
 use crate::{
-    maps::{count, EGRESS},
-    parse::Packet,
+    maps::{count, EGRESS, EGRESS_FRAGS},
+    parse::{multi_buffer, Packet},
 };
 
 const AF_INET: u8 = 2;
@@ -266,7 +266,13 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, NoHop>, dsr: bo
     let (action, sent) = if hop.ifindex == ctx.ingress_ifindex() as u32 {
         (XDP_TX, Counter::Tx)
     } else {
-        match EGRESS.redirect(hop.ifindex, 0) {
+        // A frame in several buffers only to a driver that transmits those.
+        let redirected = if multi_buffer(ctx) {
+            EGRESS_FRAGS.redirect(hop.ifindex, 0)
+        } else {
+            EGRESS.redirect(hop.ifindex, 0)
+        };
+        match redirected {
             Ok(action) => (action, Counter::Redirect),
             Err(_) => {
                 count(if dsr {

@@ -57,6 +57,12 @@ pub fn frame_len(ctx: &XdpContext) -> usize {
     unsafe { bpf_xdp_get_buff_len(ctx.ctx) as usize }
 }
 
+/// Whether the frame came in several buffers.
+#[inline(always)]
+pub fn multi_buffer(ctx: &XdpContext) -> bool {
+    frame_len(ctx) > ctx.data_end() - ctx.data()
+}
+
 #[inline(always)]
 fn load_be16(ctx: &XdpContext, off: usize) -> Result<u16, Counter> {
     load::<u16>(ctx, off).map(u16::from_be)

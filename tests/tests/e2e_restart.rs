@@ -317,11 +317,11 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     probe(topology, "after the refused starts")?;
 
     // 4. Takeover again; the counters go on. No second agent may share the pins. The ring
-    // of shared flows, the next-hop cache and the interfaces to send out of are unpinned
-    // first, as a build that had none of them would have left them: they hold no state, so
-    // the upgrade goes on and pins new ones (the interfaces filled before the takeover, or
-    // the probe's packets would go to the stack).
-    let stateless = ["FLOW_EVENTS", "HOPS", "EGRESS"]
+    // of shared flows, the next-hop cache and the interfaces to send out of (and which take
+    // frames in several buffers) are unpinned first, as a build that had none of them would
+    // have left them: they hold no state, so the upgrade goes on and pins new ones (the
+    // interfaces filled before the takeover, or the probe's packets would go to the stack).
+    let stateless = ["FLOW_EVENTS", "HOPS", "EGRESS", "EGRESS_FRAGS"]
         .map(|m| pins.join(format!("maps-v{}/{m}", balancer_common::PIN_LAYOUT)));
     for map in &stateless {
         std::fs::remove_file(map).with_context(|| format!("unpinning {}", map.display()))?;

@@ -3252,8 +3252,9 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
 /// Frames longer than a page (8 KB of data, as at MTU 9000), which the test run hands the
 /// program in several buffers, as a driver does (the program is multi-buffer aware,
 /// `xdp.frags`): in at MTU 9000 and past an egress MTU of 1500, answered "too big" (the
-/// answer made of the first buffer, the others let go); where both links carry them,
-/// forwarded whole both ways, the payload in the later buffers untouched.
+/// answer made of the first buffer, the others let go); where both links carry them and
+/// their drivers transmit such frames, forwarded whole both ways, the payload in the later
+/// buffers untouched; where they do not, handed to the stack.
 fn jumbo_frames(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let syn = client_syn(n, n.vip, 40300);
@@ -3305,23 +3306,53 @@ fn jumbo_frames(h: &mut Harness, n: &Net) -> Result<()> {
         )
     })?;
     with_mtu(&["g0", "g1"], 9000, || {
+        // A veth transmits frames in several buffers once its peer has an XDP program, and
+        // until then the kernel would drop them redirected: to the stack, translated.
         h.expect(
-            &format!("{fam} jumbo data"),
+            &format!("{fam} jumbo data towards a driver that takes one buffer"),
             h.g0,
             &big.bytes(),
-            XDP_REDIRECT,
-            &to_backend(&big).bytes(),
-            Counter::Redirect,
+            XDP_PASS,
+            &big.with(|f| f.dst = n.backend).bytes(),
+            Counter::PassEgress,
         )?;
-        h.expect(
-            &format!("{fam} jumbo reply"),
-            h.g1,
-            &big_reply.bytes(),
-            XDP_REDIRECT,
-            &to_client(&big_reply, n.vip).bytes(),
-            Counter::Redirect,
-        )
+        let _peers = with_xdp_on(&["c0", "s0"])?;
+        h.dp.set_egress(&LINKS.map(String::from))?;
+        let sent = (|| {
+            h.expect(
+                &format!("{fam} jumbo data"),
+                h.g0,
+                &big.bytes(),
+                XDP_REDIRECT,
+                &to_backend(&big).bytes(),
+                Counter::Redirect,
+            )?;
+            h.expect(
+                &format!("{fam} jumbo reply"),
+                h.g1,
+                &big_reply.bytes(),
+                XDP_REDIRECT,
+                &to_client(&big_reply, n.vip).bytes(),
+                Counter::Redirect,
+            )
+        })();
+        drop(_peers);
+        h.dp.set_egress(&LINKS.map(String::from))?;
+        sent
     })
+}
+
+/// `xdp-pass` on `links` (in this namespace) until the process is dropped.
+fn with_xdp_on(links: &[&str]) -> Result<balancer_tests::process::Process> {
+    let dir = tempfile::tempdir()?;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_xdp-pass"));
+    cmd.args(links);
+    let mut pass =
+        balancer_tests::process::Process::spawn("xdp-pass", cmd, &dir.path().join("xdp-pass.log"))?;
+    pass.wait_for_line(0, std::time::Duration::from_secs(10), |l| {
+        l.trim() == "attached"
+    })?;
+    Ok(pass)
 }
 
 /// A flood of packets too big for their next hop: answered at the rate Linux sends its own
