@@ -164,7 +164,7 @@ pub struct Dataplane {
     egress: DevMapHash<MapData>,
     /// Those of them whose driver transmits frames in several buffers (`EGRESS_FRAGS`).
     egress_frags: DevMapHash<MapData>,
-    /// What [`Dataplane::note_multi_buffer`] last found of each interface index.
+    /// What [`Dataplane::note_multi_buffer`] last said of each interface index.
     multi_buffer: HashMap<u32, bool>,
     /// Asking the kernel for drivers' XDP features failed last time (said once a streak).
     multi_buffer_failing: bool,
@@ -208,6 +208,8 @@ pub struct Dataplane {
 struct Attached {
     link: XdpLinkId,
     ifindex: u32,
+    /// In generic mode (`None`: taken over from an earlier agent, not known).
+    generic: Option<bool>,
 }
 
 /// The index of interface `name` (of `agent.interfaces`) in the agent's network namespace.
@@ -509,7 +511,7 @@ impl Dataplane {
                     Ok(link) => {
                         info!(interface = %name, "took over the pinned link");
                         self.taken_over.insert(name.clone());
-                        link
+                        (link, None)
                     }
                     Err(e) if defunct(&e) => {
                         // Its interface went away since: the link is of no use any more.
@@ -528,7 +530,13 @@ impl Dataplane {
                 },
                 None => self.attach_new(name)?,
             };
-            if let Some(old) = self.links.insert(name.clone(), Attached { link, ifindex }) {
+            let (link, generic) = link;
+            let attached = Attached {
+                link,
+                ifindex,
+                generic,
+            };
+            if let Some(old) = self.links.insert(name.clone(), attached) {
                 // Defunct with its deleted interface, or still on a renamed one, which the
                 // configuration no longer names: either way it goes.
                 self.program().detach(old.link).ok();
@@ -613,17 +621,10 @@ impl Dataplane {
     /// a frame came in on (`EGRESS`).
     pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
         let wanted = self.allow_egress(interfaces)?;
-        egress_only(&mut self.egress, &wanted)?;
-        let stale: Vec<u32> = (self.egress_frags.keys().filter_map(Result::ok))
-            .filter(|i| !wanted.contains(i))
-            .collect();
-        for index in stale {
-            self.multi_buffer.remove(&index);
-            self.egress_frags
-                .remove(index)
-                .with_context(|| format!("removing interface {index} from EGRESS_FRAGS"))?;
-        }
-        Ok(())
+        // `EGRESS_FRAGS` first: it never holds an interface `EGRESS` does not.
+        self.multi_buffer.retain(|i, _| wanted.contains(i));
+        egress_only(&mut self.egress_frags, &wanted)?;
+        egress_only(&mut self.egress, &wanted)
     }
 
     /// Lets the program send out of `interfaces`, besides those it may already; returns
@@ -643,69 +644,71 @@ impl Dataplane {
         Ok(indexes)
     }
 
-    /// Records which of `interfaces` (name, index) have a driver that transmits frames in
-    /// several buffers redirected to it (`EGRESS_FRAGS`), as the kernel says now: veth does
-    /// once its peer has an XDP program, and other drivers may change with their settings,
-    /// so [`Dataplane::relink`] asks again every second. Where the kernel cannot say (before
-    /// 6.3) or asking fails, none does, and jumbo frames towards them take the stack.
+    /// Records which of `interfaces` (name, index) a frame in several buffers may be
+    /// redirected to (`EGRESS_FRAGS`): those whose driver transmits such frames, as the
+    /// kernel says now (veth does once its peer has an XDP program, and other drivers may
+    /// change with their settings, so [`Dataplane::relink`] asks again every second), and
+    /// every one where the program runs only in generic mode, whose redirects go through the
+    /// stack's queues. Where the kernel cannot say (before 6.3), none is, and jumbo frames
+    /// towards them take the stack. An interface whose answer fails keeps its entry.
     fn note_multi_buffer(&mut self, interfaces: &[(String, u32)]) {
-        let asked = Netdev::open().and_then(|netdev| {
-            interfaces
-                .iter()
-                .map(|(name, index)| Ok((name, *index, netdev.transmits_multi_buffer(*index)?)))
-                .collect::<Result<Vec<_>>>()
-        });
-        let found = match asked {
-            Ok(found) => {
-                self.multi_buffer_failing = false;
-                found
-            }
-            Err(e) => {
-                if !std::mem::replace(&mut self.multi_buffer_failing, true) {
-                    warn!("asking the kernel which drivers transmit frames in several buffers from XDP: {e:#}; jumbo frames take the stack");
-                }
-                interfaces
-                    .iter()
-                    .map(|(name, index)| (name, *index, false))
-                    .collect()
-            }
-        };
-        for (name, index, takes) in found {
-            let before = self.multi_buffer.insert(index, takes);
-            if before == Some(takes) {
-                continue;
-            }
-            let written = if takes {
-                self.egress_frags
-                    .insert(index, index, None, 0)
-                    .map_err(anyhow::Error::from)
-            } else if self.egress_frags.get(index, 0).is_ok() {
-                // Left by an earlier agent, or found before.
-                self.egress_frags.remove(index).map_err(anyhow::Error::from)
-            } else {
-                Ok(())
+        let generic_only =
+            !self.links.is_empty() && self.links.values().all(|a| a.generic == Some(true));
+        let mut netdev = Netdev::open();
+        let mut failed = None;
+        for (name, index) in interfaces {
+            let takes = match &mut netdev {
+                _ if generic_only => Ok(true),
+                Ok(netdev) => netdev.transmits_multi_buffer(*index),
+                Err(e) => Err(anyhow!("{e:#}")),
             };
-            if let Err(e) = written {
-                // Asked again at the next relink.
-                self.multi_buffer.remove(&index);
-                warn!(interface = %name, "writing EGRESS_FRAGS: {e}");
-                continue;
-            }
+            let written = takes.and_then(|takes| {
+                let has = self.egress_frags.get(*index, 0).is_ok();
+                match (takes, has) {
+                    (true, false) => self.egress_frags.insert(*index, *index, None, 0)?,
+                    (false, true) => self.egress_frags.remove(*index)?,
+                    _ => {}
+                }
+                Ok(takes)
+            });
+            let takes = match written {
+                Ok(takes) => takes,
+                Err(e) => {
+                    failed.get_or_insert(e.context(format!("interface {name}")));
+                    continue;
+                }
+            };
+            let before = self.multi_buffer.insert(*index, takes);
             let jumbo = interface_mtu(name).is_some_and(|mtu| mtu > 1500);
-            match (takes, jumbo || before.is_some()) {
+            match (takes, before) {
+                (_, Some(b)) if b == takes => {}
+                (true, _) if generic_only => {}
                 (true, _) => {
                     info!(interface = %name, "its driver transmits frames in several buffers from XDP: jumbo frames towards it are redirected")
                 }
-                (false, true) => {
+                (false, Some(_)) => {
+                    warn!(interface = %name, "its driver no longer transmits frames in several buffers from XDP: jumbo frames towards it take the stack")
+                }
+                (false, None) if jumbo => {
                     warn!(interface = %name, "its driver does not transmit frames in several buffers from XDP (NETDEV_XDP_ACT_NDO_XMIT_SG), or the kernel cannot say: jumbo frames towards it take the stack")
                 }
-                (false, false) => {}
+                (false, None) => {}
+            }
+        }
+        match failed {
+            None => self.multi_buffer_failing = false,
+            Some(e) => {
+                if !std::mem::replace(&mut self.multi_buffer_failing, true) {
+                    warn!("asking the kernel which drivers transmit frames in several buffers from XDP: {e:#}; asked again every second");
+                }
             }
         }
     }
 
-    fn attach_new(&mut self, name: &str) -> Result<XdpLinkId> {
+    /// A new link on interface `name`, and whether it is in generic mode.
+    fn attach_new(&mut self, name: &str) -> Result<(XdpLinkId, Option<bool>)> {
         let pin = self.pins.as_ref().map(|p| p.link(name));
+        let mut generic = false;
         let attached = match self.xdp_mode {
             config::XdpMode::Native => match self.program().attach(name, XdpMode::Driver) {
                 Ok(link) => Ok(link),
@@ -716,10 +719,16 @@ impl Dataplane {
                     )))
                 }
             },
-            config::XdpMode::Generic => self.attach_generic(name, None),
+            config::XdpMode::Generic => {
+                generic = true;
+                self.attach_generic(name, None)
+            }
             config::XdpMode::Auto => match self.program().attach(name, XdpMode::Driver) {
                 Ok(link) => Ok(link),
-                Err(native) => self.attach_generic(name, Some(native)),
+                Err(native) => {
+                    generic = true;
+                    self.attach_generic(name, Some(native))
+                }
             },
         };
         let mut link = attached.map_err(|e| held_elsewhere(name, e))?;
@@ -735,7 +744,7 @@ impl Dataplane {
             link = prog.attach_to_link(XdpLink::try_from(FdLink::from(pinned))?)?;
         }
         info!(interface = %name, "attached");
-        Ok(link)
+        Ok((link, Some(generic)))
     }
 
     /// Attaches in generic mode; `native` says why native mode was not used, if it was
@@ -821,7 +830,9 @@ impl Dataplane {
                 warn!(interface = %name, "{e:#}");
             }
         }
-        if let Err(e) = egress_only(&mut self.egress, &self.egress_at_load) {
+        let restored = egress_only(&mut self.egress_frags, &self.egress_at_load)
+            .and_then(|()| egress_only(&mut self.egress, &self.egress_at_load));
+        if let Err(e) = restored {
             warn!("{e:#}");
         }
     }
@@ -1124,8 +1135,8 @@ impl Dataplane {
     }
 }
 
-/// Takes out of `egress` (`EGRESS`) every interface not in `keep`; each is tried, the first
-/// failure is the answer.
+/// Takes out of `egress` (`EGRESS` or `EGRESS_FRAGS`) every interface not in `keep`; each
+/// is tried, the first failure is the answer.
 fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<()> {
     let stale: Vec<u32> = (egress.keys().filter_map(Result::ok))
         .filter(|i| !keep.contains(i))
@@ -1133,7 +1144,7 @@ fn egress_only(egress: &mut DevMapHash<MapData>, keep: &HashSet<u32>) -> Result<
     let mut failed = Ok(());
     for index in stale {
         let removed = (egress.remove(index))
-            .with_context(|| format!("removing interface {index} from EGRESS"));
+            .with_context(|| format!("removing interface {index} from a device map"));
         failed = failed.and(removed);
     }
     failed

@@ -7,8 +7,8 @@
 
 use anyhow::{bail, Context, Result};
 use netlink_packet_core::{
-    DecodeError, Emitable, NetlinkMessage, NetlinkPayload, NlasIterator, ParseableParametrized,
-    NLM_F_REQUEST,
+    DecodeError, Emitable, NetlinkBuffer, NetlinkMessage, NetlinkPayload, NlasIterator,
+    ParseableParametrized, NLM_F_REQUEST,
 };
 use netlink_packet_generic::{
     ctrl::{nlas::GenlCtrlAttrs, GenlCtrl, GenlCtrlCmd},
@@ -21,6 +21,8 @@ const NETDEV_CMD_DEV_GET: u8 = 1;
 const NETDEV_A_DEV_IFINDEX: u16 = 1;
 const NETDEV_A_DEV_XDP_FEATURES: u16 = 3;
 const NETDEV_XDP_ACT_NDO_XMIT_SG: u64 = 1 << 6;
+/// How long an answer may take.
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// A `dev-get` request for one interface, or its answer.
 #[derive(Debug, Default)]
@@ -83,12 +85,17 @@ pub struct Netdev {
     socket: Socket,
     /// The family's id, `None` where the kernel has no such family (before 6.3).
     family: Option<u16>,
+    /// The last request's sequence number.
+    sequence: u32,
 }
 
 impl Netdev {
     pub fn open() -> Result<Self> {
         let mut socket =
             Socket::new(NETLINK_GENERIC).context("opening a generic netlink socket")?;
+        // The kernel answers while it takes the request; the bound keeps a lost answer from
+        // holding the agent, which asks with its controller's lock held.
+        socket2::SockRef::from(&socket).set_read_timeout(Some(ANSWER_WITHIN))?;
         socket.bind_auto()?;
         socket.connect(&SocketAddr::new(0, 0))?;
         let mut ctrl = GenlMessage::from_payload(GenlCtrl {
@@ -96,7 +103,7 @@ impl Netdev {
             nlas: vec![GenlCtrlAttrs::FamilyName(DevGet::family_name().into())],
         });
         ctrl.finalize();
-        let family = match ask(&socket, ctrl)? {
+        let family = match ask(&socket, 1, ctrl)? {
             Answer::Payload(GenlCtrl { nlas, .. }) => nlas.into_iter().find_map(|a| match a {
                 GenlCtrlAttrs::FamilyId(id) => Some(id),
                 _ => None,
@@ -107,12 +114,16 @@ impl Netdev {
                 std::io::Error::from_raw_os_error(e)
             ),
         };
-        Ok(Self { socket, family })
+        Ok(Self {
+            socket,
+            family,
+            sequence: 1,
+        })
     }
 
     /// Whether the driver of interface `ifindex` transmits redirected frames in several
     /// buffers; false where the kernel cannot say (before 6.3).
-    pub fn transmits_multi_buffer(&self, ifindex: u32) -> Result<bool> {
+    pub fn transmits_multi_buffer(&mut self, ifindex: u32) -> Result<bool> {
         let Some(family) = self.family else {
             return Ok(false);
         };
@@ -122,7 +133,8 @@ impl Netdev {
         });
         request.set_resolved_family_id(family);
         request.finalize();
-        match ask(&self.socket, request)? {
+        self.sequence += 1;
+        match ask(&self.socket, self.sequence, request)? {
             Answer::Payload(dev) => Ok(dev
                 .xdp_features
                 .is_some_and(|f| f & NETDEV_XDP_ACT_NDO_XMIT_SG != 0)),
@@ -140,21 +152,41 @@ enum Answer<F> {
     Errno(i32),
 }
 
-/// Sends `request` and reads its one answer.
-fn ask<F>(socket: &Socket, request: GenlMessage<F>) -> Result<Answer<F>>
+/// Sends `request` as number `sequence` and reads its one answer, past any other (a late
+/// answer to an earlier request that timed out).
+fn ask<F>(socket: &Socket, sequence: u32, request: GenlMessage<F>) -> Result<Answer<F>>
 where
     F: GenlFamily + Emitable + ParseableParametrized<[u8], GenlHeader> + std::fmt::Debug,
 {
     let mut message = NetlinkMessage::from(request);
     message.header.flags = NLM_F_REQUEST;
+    message.header.sequence_number = sequence;
     message.finalize();
     let mut out = vec![0; message.buffer_len()];
     message.serialize(&mut out);
     socket.send(&out, 0).context("sending a netlink request")?;
-    let (answer, _) = socket
-        .recv_from_full()
-        .context("reading a netlink answer")?;
-    let answer = NetlinkMessage::<GenlMessage<F>>::deserialize(&answer)
+    // Answers of this family are far smaller.
+    let mut answer = Vec::with_capacity(1 << 15);
+    // Each earlier request left at most one answer.
+    for _ in 0..=sequence {
+        answer.clear();
+        socket
+            .recv(&mut answer, 0)
+            .context("reading a netlink answer")?;
+        let header = NetlinkBuffer::new_checked(&answer).context("reading a netlink answer")?;
+        if header.sequence_number() == sequence {
+            return read(&answer);
+        }
+    }
+    bail!("no netlink answer to request {sequence}")
+}
+
+/// The answer in `answer`, one message of this family.
+fn read<F>(answer: &[u8]) -> Result<Answer<F>>
+where
+    F: GenlFamily + Emitable + ParseableParametrized<[u8], GenlHeader> + std::fmt::Debug,
+{
+    let answer = NetlinkMessage::<GenlMessage<F>>::deserialize(answer)
         .context("reading a netlink answer")?;
     match answer.payload {
         NetlinkPayload::InnerMessage(m) => Ok(Answer::Payload(m.payload)),
