@@ -557,8 +557,10 @@ impl Dataplane {
             match interface_index(name) {
                 Ok(index) => {
                     present.push(name.clone());
-                    indexes.push((name.clone(), index));
-                    if index != a.ifindex {
+                    // One created again is asked about once it is in `EGRESS` again.
+                    if index == a.ifindex {
+                        indexes.push((name.clone(), index));
+                    } else {
                         moved.push((name.clone(), index));
                     }
                     if self.gone.remove(name) {
@@ -654,13 +656,14 @@ impl Dataplane {
     fn note_multi_buffer(&mut self, interfaces: &[(String, u32)]) {
         let generic_only =
             !self.links.is_empty() && self.links.values().all(|a| a.generic == Some(true));
-        let mut netdev = Netdev::open();
+        // `None`: no need to ask.
+        let mut netdev = (!generic_only).then(Netdev::open);
         let mut failed = None;
         for (name, index) in interfaces {
             let takes = match &mut netdev {
-                _ if generic_only => Ok(true),
-                Ok(netdev) => netdev.transmits_multi_buffer(*index),
-                Err(e) => Err(anyhow!("{e:#}")),
+                None => Ok(true),
+                Some(Ok(netdev)) => netdev.transmits_multi_buffer(*index),
+                Some(Err(e)) => Err(anyhow!("{e:#}")),
             };
             let written = takes.and_then(|takes| {
                 let has = self.egress_frags.get(*index, 0).is_ok();

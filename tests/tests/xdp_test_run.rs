@@ -200,6 +200,14 @@ fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
     }
 }
 
+/// `f` carrying `bulk` bytes of data (flags PA).
+fn data(f: &Frame, bulk: usize) -> Frame {
+    f.with(|f| {
+        f.flags = "PA";
+        f.bulk = bulk;
+    })
+}
+
 /// What the client receives of a backend's reply `f` to a connection to `vip`: from the
 /// VIP, out of g0.
 fn to_client(f: &Frame, vip: IpAddr) -> Frame {
@@ -498,7 +506,8 @@ fn case() -> impl proptest::strategy::Strategy<Value = Case> {
         (any::<bool>(), 0..VIPS + 2, 1024..65535u16),
         (
             proptest::sample::select(&FLAGS[..]),
-            prop_oneof![Just(0usize), 0..1400usize],
+            // Past a page: a frame in several buffers.
+            prop_oneof![2 => Just(0usize), 2 => 0..1400usize, 1 => 3500..9000usize],
             prop_oneof![Just(64u8), 0..3u8],
             prop_oneof![3 => Just(None), 1 => (1..4095u16).prop_map(Some)],
         ),
@@ -563,7 +572,8 @@ fn checksums_valid(frame: &[u8]) -> Result<(bool, IpAddr)> {
 }
 
 /// Generated frames, whole or mangled (cut anywhere, header bytes set to anything), to every
-/// kind of VIP, tagged or not, and replies and ICMP errors about a connection: the kernel's
+/// kind of VIP, tagged or not, of any length up to jumbo frames in several buffers, and
+/// replies and ICMP errors about a connection: the kernel's
 /// verdict is always one the program means (never XDP_ABORTED), a dropped frame leaves no
 /// flow entry behind, and a whole frame that goes out (to a server, translated back to the
 /// client, or an ICMP error sent on) carries valid checksums and the source it must. Cases
@@ -2239,11 +2249,7 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
     // Past the egress MTU: answered with the ICMP "too big" from the VIP; an IPv4 packet
     // that may be fragmented is dropped (the stack would route it to the VIP, XDP cannot
     // fragment it).
-    let big = syn.with(|f| {
-        f.flags = "PA";
-        f.sport = 41007;
-        f.bulk = 1400;
-    });
+    let big = data(&syn.with(|f| f.sport = 41007), 1400);
     with_mtu(&["g1"], 1300, || {
         h.expect(
             &format!("{fam} DSR data past the egress MTU"),
@@ -3189,14 +3195,8 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
     // it (an IPv4 packet that may be fragmented goes to the stack, translated, which
     // fragments it); a small one after it takes the fast path again. A reply past the
     // client side's MTU is answered to the backend, quoting the reply as it sent it.
-    let big = ack.with(|f| {
-        f.flags = "PA";
-        f.bulk = 1400;
-    });
-    let big_reply = server_syn_ack(n, 40200).with(|f| {
-        f.flags = "PA";
-        f.bulk = 1400;
-    });
+    let big = data(&ack, 1400);
+    let big_reply = data(&server_syn_ack(n, 40200), 1400);
     with_mtu(&["g0"], 1300, || {
         h.expect(
             &format!("{fam} reply past the client side's MTU"),
@@ -3274,14 +3274,8 @@ fn jumbo_frames(h: &mut Harness, n: &Net) -> Result<()> {
         &to_backend(&syn).bytes(),
         Counter::FlowNewSyn,
     )?;
-    let big = syn.with(|f| {
-        f.flags = "PA";
-        f.bulk = 8000;
-    });
-    let big_reply = server_syn_ack(n, 40300).with(|f| {
-        f.flags = "PA";
-        f.bulk = 8000;
-    });
+    let big = data(&syn, 8000);
+    let big_reply = data(&server_syn_ack(n, 40300), 8000);
     // In on a link that does not carry it: a frame the stack coalesced (generic mode), to
     // the stack translated, which splits it again. Its first buffer alone (a page less the
     // test run's head and tail room) would fit in the 4000.
