@@ -45,6 +45,8 @@ pub enum Request {
     },
     /// The other gateways this one shares flows with (`[sync]`).
     Peers,
+    /// The interfaces the program is attached to.
+    Interfaces,
     /// Read the configuration file again and apply it, as SIGHUP does.
     Reload,
     /// Whether this gateway should take traffic yet (`ready.rs`).
@@ -76,6 +78,9 @@ pub enum Response {
     },
     Peers {
         peers: Vec<PeerRow>,
+    },
+    Interfaces {
+        interfaces: Vec<InterfaceRow>,
     },
     /// A reload went through: the pools in place, and what only a restart changes.
     Reloaded {
@@ -205,6 +210,28 @@ pub struct PeerRow {
     /// The live flows it sent this agent when it started, once it said it sent them all
     /// (absent from an older agent's answer).
     pub flows_at_start: Option<u64>,
+}
+
+/// An interface the program is attached to, in the operator's terms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InterfaceRow {
+    pub interface: String,
+    /// Its index when the program was attached.
+    pub ifindex: u32,
+    /// `native`, `generic`, or `unknown` (a pinned link taken over, whose mode the kernel
+    /// did not say).
+    pub mode: String,
+    /// An earlier agent's pinned link, which this one took over.
+    pub taken_over: bool,
+    /// None while it is gone.
+    pub mtu: Option<u32>,
+    /// A frame in several buffers (a jumbo frame) is redirected to it: its driver transmits
+    /// such frames from XDP, or the program runs in generic mode everywhere. Otherwise such
+    /// frames towards it take the stack (`pass_egress`).
+    pub multi_buffer_tx: bool,
+    /// `attached`; `gone` (deleted: the program goes back on when it returns); `created
+    /// again` (not attached to yet: retried every second).
+    pub state: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -405,6 +432,33 @@ pub fn render_peers(peers: &[PeerRow]) -> String {
     out
 }
 
+/// `balancer-agent interfaces` as a table.
+pub fn render_interfaces(interfaces: &[InterfaceRow]) -> String {
+    let mut rows = vec![[
+        "interface",
+        "index",
+        "mode",
+        "mtu",
+        "multi-buffer-tx",
+        "state",
+    ]
+    .map(String::from)];
+    for i in interfaces {
+        rows.push([
+            i.interface.clone(),
+            i.ifindex.to_string(),
+            match i.taken_over {
+                true => format!("{}, taken over", i.mode),
+                false => i.mode.clone(),
+            },
+            i.mtu.map_or("-".into(), |m| m.to_string()),
+            if i.multi_buffer_tx { "yes" } else { "no" }.into(),
+            i.state.clone(),
+        ]);
+    }
+    columns(&rows)
+}
+
 /// Rows as left-aligned columns two spaces apart.
 fn columns<const N: usize>(rows: &[[String; N]]) -> String {
     let widths: Vec<usize> = (0..N)
@@ -470,6 +524,26 @@ mod tests {
         let shown = render_peers(&peers);
         assert!(
             docs.contains(&format!("$ balancer-agent peers\n{shown}")),
+            "{shown}"
+        );
+    }
+
+    /// As docs/operations.md shows it.
+    #[test]
+    fn interfaces_render_as_the_docs_show() {
+        let row = |interface: &str, ifindex| InterfaceRow {
+            interface: interface.into(),
+            ifindex,
+            mode: "native".into(),
+            taken_over: false,
+            mtu: Some(9000),
+            multi_buffer_tx: true,
+            state: "attached".into(),
+        };
+        let shown = render_interfaces(&[row("eth0", 2), row("eth1", 3)]);
+        assert!(
+            include_str!("../../docs/operations.md")
+                .contains(&format!("$ balancer-agent interfaces\n{shown}")),
             "{shown}"
         );
     }

@@ -1345,6 +1345,9 @@ impl Controller {
                     "this agent shares flows with no other gateway ([sync] is not configured)"
                 )),
             },
+            Interfaces => Ok(Response::Interfaces {
+                interfaces: self.dp.interfaces(),
+            }),
             Ready => Ok(Response::Ready(self.readiness())),
             Withdraw | Restore => {
                 let withdraw = matches!(request, Withdraw);

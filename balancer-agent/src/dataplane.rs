@@ -35,7 +35,15 @@ use balancer_common::{
 };
 use tracing::{info, warn};
 
-use crate::{config, map_ops, objects, pins::Pins, plan::Plan, sync::Kind, xdp_features::Netdev};
+use crate::{
+    config,
+    control::InterfaceRow,
+    map_ops, objects,
+    pins::Pins,
+    plan::Plan,
+    sync::Kind,
+    xdp_features::{self, Netdev},
+};
 
 /// A `BPF_F_MMAPABLE` array of u64 slots mapped into our memory, so that a table of
 /// thousands of slots is written with stores instead of a syscall per slot.
@@ -199,8 +207,10 @@ pub struct Dataplane {
     pins: Option<Pins>,
     /// The maps came from an earlier agent's pins.
     inherited: bool,
-    /// What `EGRESS` held when the maps were opened: a start that fails puts it back.
+    /// What `EGRESS` and `EGRESS_FRAGS` held when the maps were opened: a start that fails
+    /// puts them back.
     egress_at_load: HashSet<u32>,
+    egress_frags_at_load: HashSet<u32>,
 }
 
 /// The program's link on an interface, and the index the interface had then: an interface
@@ -208,7 +218,8 @@ pub struct Dataplane {
 struct Attached {
     link: XdpLinkId,
     ifindex: u32,
-    /// In generic mode (`None`: taken over from an earlier agent, not known).
+    /// In generic mode (`None`: not known, a link taken over whose mode the kernel did not
+    /// say).
     generic: Option<bool>,
 }
 
@@ -273,6 +284,7 @@ impl Dataplane {
         let egress = DevMapHash::try_from(take(&mut ebpf, "EGRESS")?)?;
         let egress_at_load = egress.keys().filter_map(Result::ok).collect();
         let egress_frags = DevMapHash::try_from(take(&mut ebpf, "EGRESS_FRAGS")?)?;
+        let egress_frags_at_load = egress_frags.keys().filter_map(Result::ok).collect();
         let buckets = Array::try_from(take(&mut ebpf, "BUCKETS")?)?;
         let load = MappedSlots::new(take(&mut ebpf, "LOAD")?, "LOAD", MAX_BACKENDS * LOAD_SLOTS)?;
         let opens = MappedSlots::new(take(&mut ebpf, "OPENS")?, "OPENS", MAX_BACKENDS)?;
@@ -315,6 +327,7 @@ impl Dataplane {
             pins,
             inherited,
             egress_at_load,
+            egress_frags_at_load,
         };
         if inherited {
             // The next plan flips each VIP to the table the program is not reading.
@@ -511,7 +524,8 @@ impl Dataplane {
                     Ok(link) => {
                         info!(interface = %name, "took over the pinned link");
                         self.taken_over.insert(name.clone());
-                        (link, None)
+                        let generic = xdp_features::attached_generic(ifindex);
+                        (link, generic.ok().flatten())
                     }
                     Err(e) if defunct(&e) => {
                         // Its interface went away since: the link is of no use any more.
@@ -619,6 +633,34 @@ impl Dataplane {
         Ok(())
     }
 
+    /// The interfaces the program is attached to, as `balancer-agent interfaces` shows them.
+    pub fn interfaces(&self) -> Vec<InterfaceRow> {
+        let row = |(name, a): (&String, &Attached)| {
+            let state = if self.gone.contains(name) {
+                "gone"
+            } else if self.relinking.contains_key(name) {
+                "created again"
+            } else {
+                "attached"
+            };
+            InterfaceRow {
+                interface: name.clone(),
+                ifindex: a.ifindex,
+                mode: match a.generic {
+                    Some(true) => "generic",
+                    Some(false) => "native",
+                    None => "unknown",
+                }
+                .into(),
+                taken_over: self.taken_over.contains(name),
+                mtu: interface_mtu(name),
+                multi_buffer_tx: self.egress_frags.get(a.ifindex, 0).is_ok(),
+                state: state.into(),
+            }
+        };
+        self.links.iter().map(row).collect()
+    }
+
     /// Makes `interfaces` the only ones the program sends frames out of, other than the one
     /// a frame came in on (`EGRESS`).
     pub fn set_egress(&mut self, interfaces: &[String]) -> Result<()> {
@@ -654,8 +696,16 @@ impl Dataplane {
     /// stack's queues. Where the kernel cannot say (before 6.3), none is, and jumbo frames
     /// towards them take the stack. An interface whose answer fails keeps its entry.
     fn note_multi_buffer(&mut self, interfaces: &[(String, u32)]) {
-        let generic_only =
-            !self.links.is_empty() && self.links.values().all(|a| a.generic == Some(true));
+        if interfaces.is_empty() {
+            return;
+        }
+        // Before the first attach, and for a link whose mode is not known, the configured
+        // mode.
+        let generic = self.xdp_mode == config::XdpMode::Generic;
+        let generic_only = match self.links.is_empty() {
+            true => generic,
+            false => self.links.values().all(|a| a.generic.unwrap_or(generic)),
+        };
         // `None`: no need to ask.
         let mut netdev = (!generic_only).then(Netdev::open);
         let mut failed = None;
@@ -682,17 +732,19 @@ impl Dataplane {
                 }
             };
             let before = self.multi_buffer.insert(*index, takes);
-            let jumbo = interface_mtu(name).is_some_and(|mtu| mtu > 1500);
             match (takes, before) {
                 (_, Some(b)) if b == takes => {}
-                (true, _) if generic_only => {}
+                (true, None) if generic_only => {}
+                (true, _) if generic_only => {
+                    info!(interface = %name, "the program runs in generic mode everywhere, whose redirects take frames in several buffers: jumbo frames towards it are redirected")
+                }
                 (true, _) => {
                     info!(interface = %name, "its driver transmits frames in several buffers from XDP: jumbo frames towards it are redirected")
                 }
                 (false, Some(_)) => {
-                    warn!(interface = %name, "its driver no longer transmits frames in several buffers from XDP: jumbo frames towards it take the stack")
+                    warn!(interface = %name, "frames in several buffers are no longer redirected to it (its driver does not transmit them from XDP, or the kernel cannot say): jumbo frames towards it take the stack")
                 }
-                (false, None) if jumbo => {
+                (false, None) if interface_mtu(name).is_some_and(|mtu| mtu > 1500) => {
                     warn!(interface = %name, "its driver does not transmit frames in several buffers from XDP (NETDEV_XDP_ACT_NDO_XMIT_SG), or the kernel cannot say: jumbo frames towards it take the stack")
                 }
                 (false, None) => {}
@@ -819,8 +871,8 @@ impl Dataplane {
     }
 
     /// After a start that failed: the links this agent made leave again; those it took
-    /// over stay, with their connections and the program now in them, and `EGRESS` holds
-    /// what it held before.
+    /// over stay, with their connections and the program now in them, and `EGRESS` and
+    /// `EGRESS_FRAGS` hold what they held before.
     pub fn abandon(&mut self) {
         let made: Vec<String> = self
             .links
@@ -833,8 +885,19 @@ impl Dataplane {
                 warn!(interface = %name, "{e:#}");
             }
         }
-        let restored = egress_only(&mut self.egress_frags, &self.egress_at_load)
-            .and_then(|()| egress_only(&mut self.egress, &self.egress_at_load));
+        // `EGRESS_FRAGS` within `EGRESS` all along: taken out of first, put back into last
+        // where `EGRESS` holds the interface.
+        let frags: HashSet<u32> = (self.egress_frags_at_load)
+            .intersection(&self.egress_at_load)
+            .copied()
+            .collect();
+        let mut restored = egress_only(&mut self.egress_frags, &frags);
+        restored = restored.and(egress_only(&mut self.egress, &self.egress_at_load));
+        for &index in frags.iter().filter(|&&i| self.egress.get(i, 0).is_ok()) {
+            let put = (self.egress_frags.insert(index, index, None, 0))
+                .with_context(|| format!("putting interface {index} back into EGRESS_FRAGS"));
+            restored = restored.and(put);
+        }
         if let Err(e) = restored {
             warn!("{e:#}");
         }

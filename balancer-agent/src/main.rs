@@ -8,7 +8,10 @@ use std::{
 use anyhow::{bail, Result};
 use balancer_agent::{
     config::{Config, Forwarding, DEFAULT_CONTROL_SOCKET},
-    control::{answer_wait, call, render, render_buckets, render_peers, Request, Response},
+    control::{
+        answer_wait, call, render, render_buckets, render_interfaces, render_peers, Request,
+        Response,
+    },
 };
 use clap::{Parser, Subcommand};
 
@@ -134,6 +137,17 @@ enum Command {
     /// The gateways this one shares flows with (`[sync]`): whether each is heard (every
     /// gateway sends each peer a datagram a second), what it sent, what was refused.
     Peers {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// The agent's control socket (`agent.control_socket`).
+        #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
+        socket: PathBuf,
+    },
+    /// The interfaces the program is attached to: mode (native or generic), MTU, whether
+    /// jumbo frames in several buffers are redirected to each (else they take the stack),
+    /// and whether it is there.
+    Interfaces {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -413,6 +427,18 @@ fn execute(command: Command) -> Result<()> {
                     println!("{}", serde_json::to_string_pretty(&peers)?)
                 }
                 Response::Peers { peers } => print!("{}", render_peers(&peers)),
+                other => bail!("unexpected answer: {other:?}"),
+            }
+            Ok(())
+        }
+        Command::Interfaces { json, socket } => {
+            match ask(&socket, &Request::Interfaces)? {
+                Response::Interfaces { interfaces } if json => {
+                    println!("{}", serde_json::to_string_pretty(&interfaces)?)
+                }
+                Response::Interfaces { interfaces } => {
+                    print!("{}", render_interfaces(&interfaces))
+                }
                 other => bail!("unexpected answer: {other:?}"),
             }
             Ok(())

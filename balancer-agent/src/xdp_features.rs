@@ -1,20 +1,29 @@
-//! What an interface's driver does with XDP, from the kernel's `netdev` generic netlink
-//! family (Linux 6.3 on): whether it transmits frames in several buffers that a program on
-//! another interface redirects to it (`NETDEV_XDP_ACT_NDO_XMIT_SG`). The kernel drops such
-//! a frame, uncounted, after the program returned XDP_REDIRECT towards a driver without it
-//! (and towards any interface of a device map before 6.3), so the program hands those
-//! frames to the stack instead unless their egress is in `EGRESS_FRAGS`.
+//! What the kernel says of XDP on an interface. Whether its driver transmits frames in
+//! several buffers that a program on another interface redirects to it
+//! (`NETDEV_XDP_ACT_NDO_XMIT_SG`, from the `netdev` generic netlink family, Linux 6.3 on):
+//! the kernel drops such a frame, uncounted, after the program returned XDP_REDIRECT
+//! towards a driver without it (and towards any interface of a device map before 6.3), so
+//! the program hands those frames to the stack instead unless their egress is in
+//! `EGRESS_FRAGS`. And the mode a program runs in there (rtnetlink), for a pinned link an
+//! earlier agent made.
 
 use anyhow::{bail, Context, Result};
 use netlink_packet_core::{
-    DecodeError, Emitable, NetlinkBuffer, NetlinkMessage, NetlinkPayload, NlasIterator,
-    ParseableParametrized, NLM_F_REQUEST,
+    DecodeError, Emitable, NetlinkBuffer, NetlinkDeserializable, NetlinkMessage, NetlinkPayload,
+    NetlinkSerializable, NlasIterator, ParseableParametrized, NLM_F_REQUEST,
 };
 use netlink_packet_generic::{
     ctrl::{nlas::GenlCtrlAttrs, GenlCtrl, GenlCtrlCmd},
     GenlFamily, GenlHeader, GenlMessage,
 };
-use netlink_sys::{protocols::NETLINK_GENERIC, Socket, SocketAddr};
+use netlink_sys::{
+    protocols::{NETLINK_GENERIC, NETLINK_ROUTE},
+    Socket, SocketAddr,
+};
+use rtnetlink::packet_route::{
+    link::{LinkAttribute, LinkMessage, LinkXdp, XdpAttached},
+    RouteNetlinkMessage,
+};
 
 /// From `include/uapi/linux/netdev.h`.
 const NETDEV_CMD_DEV_GET: u8 = 1;
@@ -91,20 +100,14 @@ pub struct Netdev {
 
 impl Netdev {
     pub fn open() -> Result<Self> {
-        let mut socket =
-            Socket::new(NETLINK_GENERIC).context("opening a generic netlink socket")?;
-        // The kernel answers while it takes the request; the bound keeps a lost answer from
-        // holding the agent, which asks with its controller's lock held.
-        socket2::SockRef::from(&socket).set_read_timeout(Some(ANSWER_WITHIN))?;
-        socket.bind_auto()?;
-        socket.connect(&SocketAddr::new(0, 0))?;
+        let socket = open(NETLINK_GENERIC)?;
         let mut ctrl = GenlMessage::from_payload(GenlCtrl {
             cmd: GenlCtrlCmd::GetFamily,
             nlas: vec![GenlCtrlAttrs::FamilyName(DevGet::family_name().into())],
         });
         ctrl.finalize();
         let family = match ask(&socket, 1, ctrl)? {
-            Answer::Payload(GenlCtrl { nlas, .. }) => nlas.into_iter().find_map(|a| match a {
+            Answer::Payload(m) => m.payload.nlas.into_iter().find_map(|a| match a {
                 GenlCtrlAttrs::FamilyId(id) => Some(id),
                 _ => None,
             }),
@@ -135,7 +138,8 @@ impl Netdev {
         request.finalize();
         self.sequence += 1;
         match ask(&self.socket, self.sequence, request)? {
-            Answer::Payload(dev) => Ok(dev
+            Answer::Payload(m) => Ok(m
+                .payload
                 .xdp_features
                 .is_some_and(|f| f & NETDEV_XDP_ACT_NDO_XMIT_SG != 0)),
             Answer::Errno(e) => bail!(
@@ -146,27 +150,68 @@ impl Netdev {
     }
 }
 
-enum Answer<F> {
-    Payload(F),
+/// Whether the XDP program on interface `ifindex` runs in generic mode; `None` where none
+/// is attached.
+pub fn attached_generic(ifindex: u32) -> Result<Option<bool>> {
+    let socket = open(NETLINK_ROUTE)?;
+    let mut link = LinkMessage::default();
+    link.header.index = ifindex;
+    match ask(&socket, 1, RouteNetlinkMessage::GetLink(link))? {
+        Answer::Payload(RouteNetlinkMessage::NewLink(link)) => {
+            let attached = link.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::Xdp(xdp) => xdp.into_iter().find_map(|x| match x {
+                    LinkXdp::Attached(mode) => Some(mode),
+                    _ => None,
+                }),
+                _ => None,
+            });
+            Ok(match attached {
+                Some(XdpAttached::SocketBuffer) => Some(true),
+                Some(XdpAttached::None) | None => None,
+                Some(_) => Some(false),
+            })
+        }
+        Answer::Payload(other) => bail!("an unexpected rtnetlink answer: {other:?}"),
+        Answer::Errno(e) => bail!(
+            "asking for interface {ifindex}: {}",
+            std::io::Error::from_raw_os_error(e)
+        ),
+    }
+}
+
+/// A netlink socket of `protocol`, connected to the kernel.
+fn open(protocol: isize) -> Result<Socket> {
+    let mut socket = Socket::new(protocol).context("opening a netlink socket")?;
+    // The kernel answers while it takes the request; the bound keeps a lost answer from
+    // holding the agent, which asks with its controller's lock held.
+    socket2::SockRef::from(&socket).set_read_timeout(Some(ANSWER_WITHIN))?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+enum Answer<M> {
+    Payload(M),
     /// The kernel's error, a positive errno.
     Errno(i32),
 }
 
 /// Sends `request` as number `sequence` and reads its one answer, past any other (a late
 /// answer to an earlier request that timed out).
-fn ask<F>(socket: &Socket, sequence: u32, request: GenlMessage<F>) -> Result<Answer<F>>
+fn ask<M>(socket: &Socket, sequence: u32, request: M) -> Result<Answer<M>>
 where
-    F: GenlFamily + Emitable + ParseableParametrized<[u8], GenlHeader> + std::fmt::Debug,
+    M: NetlinkSerializable + NetlinkDeserializable + std::fmt::Debug,
 {
-    let mut message = NetlinkMessage::from(request);
+    let mut message =
+        NetlinkMessage::new(Default::default(), NetlinkPayload::InnerMessage(request));
     message.header.flags = NLM_F_REQUEST;
     message.header.sequence_number = sequence;
     message.finalize();
     let mut out = vec![0; message.buffer_len()];
     message.serialize(&mut out);
     socket.send(&out, 0).context("sending a netlink request")?;
-    // Answers of this family are far smaller.
-    let mut answer = Vec::with_capacity(1 << 15);
+    // An answer here is a few KB at most (a link's, with its statistics).
+    let mut answer = Vec::with_capacity(1 << 16);
     // Each earlier request left at most one answer.
     for _ in 0..=sequence {
         answer.clear();
@@ -181,15 +226,14 @@ where
     bail!("no netlink answer to request {sequence}")
 }
 
-/// The answer in `answer`, one message of this family.
-fn read<F>(answer: &[u8]) -> Result<Answer<F>>
+/// The answer in `answer`, one message.
+fn read<M>(answer: &[u8]) -> Result<Answer<M>>
 where
-    F: GenlFamily + Emitable + ParseableParametrized<[u8], GenlHeader> + std::fmt::Debug,
+    M: NetlinkDeserializable + std::fmt::Debug,
 {
-    let answer = NetlinkMessage::<GenlMessage<F>>::deserialize(answer)
-        .context("reading a netlink answer")?;
+    let answer = NetlinkMessage::<M>::deserialize(answer).context("reading a netlink answer")?;
     match answer.payload {
-        NetlinkPayload::InnerMessage(m) => Ok(Answer::Payload(m.payload)),
+        NetlinkPayload::InnerMessage(m) => Ok(Answer::Payload(m)),
         NetlinkPayload::Error(e) => match e.code {
             Some(code) => Ok(Answer::Errno(-code.get())),
             None => bail!("a netlink acknowledgement where an answer was due"),
@@ -201,6 +245,20 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Asked of this machine's kernel: loopback has no XDP program, and its driver does not
+    /// take redirected frames.
+    #[test]
+    fn the_kernel_answers_for_loopback() {
+        let lo = crate::dataplane::interface_index("lo").unwrap();
+        assert_eq!(attached_generic(lo).unwrap(), None);
+        let mut netdev = Netdev::open().unwrap();
+        assert!(!netdev.transmits_multi_buffer(lo).unwrap());
+        // Asked again on the same socket: the answers are matched by sequence number.
+        assert!(!netdev.transmits_multi_buffer(lo).unwrap());
+        // No such interface (where the kernel has the family to ask: 6.3 on).
+        assert!(netdev.family.is_none() || netdev.transmits_multi_buffer(u32::MAX).is_err());
+    }
 
     #[test]
     fn a_request_names_the_interface_and_an_answer_gives_its_features() {

@@ -26,8 +26,8 @@
 //! client's own to their switch, not through the gateway, so its path is not the others'.
 //!
 //! Also for context, after those rounds: the bulk phase again with jumbo frames (MTU 9000
-//! on every link), ours, nftables and HAProxy in rounds of their own, as inference
-//! clusters often run.
+//! on every link between the client and the backends), ours, nftables and HAProxy in
+//! rounds of their own, as inference clusters often run.
 //!
 //! `cargo bench -p balancer-tests --bench gateway [-- --quick]`, as root.
 
@@ -69,7 +69,8 @@ enum System {
 }
 
 const SYSTEMS: [System; 4] = [System::Xdp, System::Nft, System::Haproxy, System::XdpDsr];
-/// The systems of the jumbo-frame rounds, in the order of `SYSTEMS`.
+/// The systems of the jumbo-frame rounds, in the order of `SYSTEMS`: not DSR, whose
+/// answers go around the gateway (and its links for them stay at 1500).
 const JUMBO_SYSTEMS: [System; 3] = [System::Xdp, System::Nft, System::Haproxy];
 const JUMBO_MTU: u32 = 9000;
 
@@ -727,8 +728,8 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
 fn jumbo_report(plan: &Plan, samples: &[Vec<Bulk>], out: &mut Report) {
     let mut md = format!(
         "### Bulk throughput with jumbo frames (context)\n\n\
-         The bulk phase again after those rounds, with MTU {JUMBO_MTU} on every link (\
-         inference clusters often run jumbo frames): {} round(s) of ours (native mode: the \
+         The bulk phase again after those rounds, with MTU {JUMBO_MTU} on every link between \
+         the client and the backends (inference clusters often run jumbo frames): {} round(s) of ours (native mode: the \
          program takes frames longer than a page in several buffers), nftables and \
          HAProxy, the order rotating; medians. Outside the goal, which is the table above's.\n\n\
          | figure | ours (XDP) | nftables | HAProxy | ours vs nftables | ours vs HAProxy |\n\

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 #[cfg(feature = "agent")]
-use balancer_agent::control::{BucketsView, PeerRow, PoolView, ServerRow};
+use balancer_agent::control::{BucketsView, InterfaceRow, PeerRow, PoolView, ServerRow};
 use serde::Serialize;
 
 use crate::netns::Netns;
@@ -413,6 +413,13 @@ impl<'t> Agent<'t> {
     pub fn peers(&self) -> Result<Vec<PeerRow>> {
         let text = self.cli(&["peers", "--json"])?;
         serde_json::from_str(&text).with_context(|| format!("peers --json printed {text:?}"))
+    }
+
+    /// The interfaces the program is attached to, as `interfaces --json` prints them.
+    #[cfg(feature = "agent")]
+    pub fn interfaces(&self) -> Result<Vec<InterfaceRow>> {
+        let text = self.cli(&["interfaces", "--json"])?;
+        serde_json::from_str(&text).with_context(|| format!("interfaces --json printed {text:?}"))
     }
 
     /// Polls `show` of `pool` every `poll` until `pred` holds: that answer, and when it

@@ -432,8 +432,9 @@ impl Topology {
         Ok(())
     }
 
-    /// Sets the MTU of every link of the gateway scenario, both ends (jumbo frames end to
-    /// end); the bridge follows its ports.
+    /// Sets the MTU of every link on the path between the client and the backends, both
+    /// ends (jumbo frames end to end), but not of the links [`Topology::direct_return`]
+    /// adds.
     pub fn set_mtu(&self, mtu: u32) -> Result<()> {
         let mtu = mtu.to_string();
         let mut ends = vec![(&self.client, "c0".to_owned()), (&self.gw, "g0".to_owned())];

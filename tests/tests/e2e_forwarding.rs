@@ -159,6 +159,11 @@ fn generic_mode(topology: &mut Topology, agent: &Path) -> Result<()> {
         attached.len() == 2 && attached.iter().all(|a| a.contains("xdpgeneric")),
         "not attached in generic mode: {attached:?}"
     );
+    let interfaces = agent.interfaces()?;
+    ensure!(
+        interfaces.iter().all(|i| i.mode == "generic"),
+        "interfaces: {interfaces:?}"
+    );
     // Segments, not coalesced frames: at most one MSS each.
     each_family(
         &agent,
@@ -193,6 +198,18 @@ fn jumbo_frames(topology: &mut Topology, agent: &Path) -> Result<()> {
     ensure!(
         attached.len() == 2 && attached.iter().all(|a| !a.contains("xdpgeneric")),
         "not attached natively: {attached:?}"
+    );
+    // As the operator sees it: the peers' programs make the gateway's veths transmit frames
+    // in several buffers, which the agent finds as it attaches.
+    let interfaces = agent.interfaces()?;
+    println!("{}", agent.cli(&["interfaces"])?);
+    ensure!(
+        interfaces.len() == 2
+            && interfaces.iter().all(|i| i.mode == "native"
+                && i.mtu == Some(MTU)
+                && i.multi_buffer_tx
+                && i.state == "attached"),
+        "interfaces: {interfaces:?}"
     );
     // The links the gateway sends the transfers' data out of, as their far ends count it,
     // and the mean frame each must show: the server writes its answer in pieces, which

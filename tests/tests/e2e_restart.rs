@@ -216,6 +216,14 @@ fn scenario(topology: &Topology, binary: &Path, pins: &Path) -> Result<()> {
     let mut reordered = config.clone();
     reordered.pools[0].servers.reverse();
     let second = Agent::start(topology, binary, &reordered)?;
+    let interfaces = second.interfaces()?;
+    ensure!(
+        interfaces.len() == 2
+            && interfaces
+                .iter()
+                .all(|i| i.taken_over && i.mode == "native" && i.state == "attached"),
+        "second agent's interfaces: {interfaces:?}"
+    );
     ensure!(
         state(&second, DEAD)? == "DOWN",
         "second agent: {}",
