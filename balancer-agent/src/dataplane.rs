@@ -219,7 +219,7 @@ struct Attached {
     link: XdpLinkId,
     ifindex: u32,
     /// In generic mode (`None`: not known, a link taken over whose mode the kernel did not
-    /// say).
+    /// say; counted as native).
     generic: Option<bool>,
 }
 
@@ -524,7 +524,8 @@ impl Dataplane {
                     Ok(link) => {
                         info!(interface = %name, "took over the pinned link");
                         self.taken_over.insert(name.clone());
-                        let generic = xdp_features::attached_generic(ifindex);
+                        let generic = xdp_features::attached_generic(ifindex)
+                            .inspect_err(|e| warn!(interface = %name, "its link's XDP mode: {e:#}; counted as native"));
                         (link, generic.ok().flatten())
                     }
                     Err(e) if defunct(&e) => {
@@ -699,12 +700,12 @@ impl Dataplane {
         if interfaces.is_empty() {
             return;
         }
-        // Before the first attach, and for a link whose mode is not known, the configured
-        // mode.
-        let generic = self.xdp_mode == config::XdpMode::Generic;
+        // Before the first attach, the configured mode, unless an earlier agent's links
+        // run (in the mode they had); a link whose mode is not known counts as native,
+        // which only costs speed where assuming generic could lose frames.
         let generic_only = match self.links.is_empty() {
-            true => generic,
-            false => self.links.values().all(|a| a.generic.unwrap_or(generic)),
+            true => self.xdp_mode == config::XdpMode::Generic && !self.inherited,
+            false => self.links.values().all(|a| a.generic == Some(true)),
         };
         // `None`: no need to ask.
         let mut netdev = (!generic_only).then(Netdev::open);
@@ -799,6 +800,8 @@ impl Dataplane {
             link = prog.attach_to_link(XdpLink::try_from(FdLink::from(pinned))?)?;
         }
         info!(interface = %name, "attached");
+        // This agent's own link, whatever was on the interface's name before.
+        self.taken_over.remove(name);
         Ok((link, Some(generic)))
     }
 
@@ -893,6 +896,15 @@ impl Dataplane {
             .collect();
         let mut restored = egress_only(&mut self.egress_frags, &frags);
         restored = restored.and(egress_only(&mut self.egress, &self.egress_at_load));
+        // What the start took out (an interface the new file no longer lists), where it is
+        // still there to put back.
+        for &index in &self.egress_at_load {
+            if self.egress.get(index, 0).is_err() {
+                let put = (self.egress.insert(index, index, None, 0))
+                    .with_context(|| format!("putting interface {index} back into EGRESS"));
+                restored = restored.and(put);
+            }
+        }
         for &index in frags.iter().filter(|&&i| self.egress.get(i, 0).is_ok()) {
             let put = (self.egress_frags.insert(index, index, None, 0))
                 .with_context(|| format!("putting interface {index} back into EGRESS_FRAGS"));

@@ -158,15 +158,21 @@ pub fn attached_generic(ifindex: u32) -> Result<Option<bool>> {
     link.header.index = ifindex;
     match ask(&socket, 1, RouteNetlinkMessage::GetLink(link))? {
         Answer::Payload(RouteNetlinkMessage::NewLink(link)) => {
-            let attached = link.attributes.into_iter().find_map(|a| match a {
-                LinkAttribute::Xdp(xdp) => xdp.into_iter().find_map(|x| match x {
-                    LinkXdp::Attached(mode) => Some(mode),
-                    _ => None,
-                }),
+            let xdp = link.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::Xdp(xdp) => Some(xdp),
+                _ => None,
+            });
+            let xdp = xdp.unwrap_or_default();
+            let attached = xdp.iter().find_map(|x| match x {
+                LinkXdp::Attached(mode) => Some(mode),
                 _ => None,
             });
             Ok(match attached {
                 Some(XdpAttached::SocketBuffer) => Some(true),
+                // Offloaded and one other: generic if the other is.
+                Some(XdpAttached::Multiple) => {
+                    Some(xdp.iter().any(|x| matches!(x, LinkXdp::SkbProgId(_))))
+                }
                 Some(XdpAttached::None) | None => None,
                 Some(_) => Some(false),
             })
