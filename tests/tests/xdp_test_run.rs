@@ -200,6 +200,17 @@ fn client_syn(n: &Net, dst: IpAddr, sport: u16) -> Frame {
     }
 }
 
+/// What `n`'s backend receives of the client's frame `f`: to its address, from g1 to `dmac`,
+/// TTL - 1.
+fn to_backend(f: &Frame, n: &Net, dmac: [u8; 6]) -> Frame {
+    f.with(|f| {
+        f.smac = MAC_G1;
+        f.dmac = dmac;
+        f.dst = n.backend;
+        f.ttl -= 1;
+    })
+}
+
 /// `f` carrying `bulk` bytes of data (flags PA).
 fn data(f: &Frame, bulk: usize) -> Frame {
     f.with(|f| {
@@ -1624,15 +1635,7 @@ fn forwarding(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let (g0, g1) = (h.g0, h.g1);
     let syn = client_syn(n, n.vip, 40001);
-    // What the backend receives: DNAT, next hop's MACs, TTL - 1.
-    let to_backend = |f: &Frame| {
-        f.with(|f| {
-            f.smac = MAC_G1;
-            f.dmac = MAC_BACKEND;
-            f.dst = n.backend;
-            f.ttl -= 1;
-        })
-    };
+    let to_backend = |f: &Frame| to_backend(f, n, MAC_BACKEND);
     let reply = server_syn_ack(n, 40001);
     // What the client receives: the reply comes from the VIP.
     let to_client = |f: &Frame| to_client(f, n.vip);
@@ -3127,14 +3130,7 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let planted = [0x02, 0, 0, 0, 0x0e, 0x0e];
     let syn = client_syn(n, n.vip, 40200);
-    let out = |f: &Frame, dmac| {
-        f.with(|f| {
-            f.smac = MAC_G1;
-            f.dmac = dmac;
-            f.dst = n.backend;
-            f.ttl -= 1;
-        })
-    };
+    let out = |f: &Frame, dmac| to_backend(f, n, dmac);
     h.expect(
         &format!("{fam} SYN, next hop looked up"),
         h.g0,
@@ -3258,14 +3254,7 @@ fn next_hop_is_cached_for_an_epoch(h: &mut Harness, n: &Net) -> Result<()> {
 fn jumbo_frames(h: &mut Harness, n: &Net) -> Result<()> {
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let syn = client_syn(n, n.vip, 40300);
-    let to_backend = |f: &Frame| {
-        f.with(|f| {
-            f.smac = MAC_G1;
-            f.dmac = MAC_BACKEND;
-            f.dst = n.backend;
-            f.ttl -= 1;
-        })
-    };
+    let to_backend = |f: &Frame| to_backend(f, n, MAC_BACKEND);
     h.expect(
         &format!("{fam} SYN of a jumbo flow"),
         h.g0,
