@@ -9,14 +9,14 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{bpf_check_mtu_ret::BPF_MTU_CHK_RET_SUCCESS, xdp_action::XDP_TX},
-    helpers::{bpf_check_mtu, bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
+    helpers::{bpf_check_mtu, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::XdpContext,
 };
 use balancer_common::{csum, FAMILY_V4};
 
 use crate::{
     nat::{get, put},
-    parse::{Packet, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
+    parse::{frame_len, Packet, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN},
 };
 
 pub const V4_HLEN: usize = 20;
@@ -73,9 +73,8 @@ pub fn too_big(ctx: &XdpContext, pkt: &Packet, mtu: u16) -> Option<u32> {
         build_v6(ctx, grow, mtu)
     };
     let len = ETH_HLEN + grow + quoted;
-    // From the helper: the verifier allows no arithmetic on the end pointer.
-    // SAFETY: as above.
-    let trim = unsafe { bpf_xdp_get_buff_len(ctx.ctx) } as i32 - len as i32;
+    // From the helper (every buffer): the verifier allows no arithmetic on the end pointer.
+    let trim = frame_len(ctx) as i32 - len as i32;
     // SAFETY: as above; the frame is at least `len` long, so this only shrinks it.
     if built.is_err() || unsafe { bpf_xdp_adjust_tail(ctx.ctx, -trim) } != 0 {
         return Some(aya_ebpf::bindings::xdp_action::XDP_DROP);

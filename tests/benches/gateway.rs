@@ -193,17 +193,30 @@ fn start_servers(topology: &Topology) -> Result<Vec<Process>> {
     Ok(servers)
 }
 
+/// `plan.rounds` rounds of `measure` (given the round and the system) on each of
+/// `systems`, the order rotating from round to round; returns the results by system.
+fn rotating<T>(
+    plan: &Plan,
+    systems: &[System],
+    mut measure: impl FnMut(usize, System) -> Result<T>,
+) -> Result<Vec<Vec<T>>> {
+    let mut samples: Vec<Vec<T>> = systems.iter().map(|_| Vec::new()).collect();
+    for round in 0..plan.rounds {
+        for k in 0..systems.len() {
+            let s = (k + round) % systems.len();
+            samples[s].push(measure(round, systems[s])?);
+        }
+    }
+    Ok(samples)
+}
+
 /// Every round runs every system, the order rotating; returns the samples by system.
 fn rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Sample>>> {
-    let mut samples = vec![Vec::new(); SYSTEMS.len()];
-    for round in 0..plan.rounds {
-        for k in 0..SYSTEMS.len() {
-            let s = (k + round) % SYSTEMS.len();
-            let system = SYSTEMS[s];
-            let t = Instant::now();
-            let sample = with_system(topology, agent, system, |pid| measure(topology, plan, pid))
-                .with_context(|| format!("round {}, {}", round + 1, system.label()))?;
-            eprintln!(
+    rotating(plan, &SYSTEMS, |round, system| {
+        let t = Instant::now();
+        let sample = with_system(topology, agent, system, |pid| measure(topology, plan, pid))
+            .with_context(|| format!("round {}, {}", round + 1, system.label()))?;
+        eprintln!(
                 "round {} {:<20} {:>7} conn/s  p50 {} ms  p99 {} ms  {} Gbit/s  gateway CPU {} ms/1k  errors {}  ({:.1} s)",
                 round + 1,
                 system.label(),
@@ -215,36 +228,28 @@ fn rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Samp
                 sample.errors + sample.bulk.errors,
                 t.elapsed().as_secs_f64()
             );
-            samples[s].push(sample);
-        }
-    }
-    Ok(samples)
+        Ok(sample)
+    })
 }
 
 /// The bulk phase alone, every round running each of `JUMBO_SYSTEMS`, the order rotating;
 /// returns the samples by system.
 fn jumbo_rounds(topology: &Topology, agent: &Path, plan: &Plan) -> Result<Vec<Vec<Bulk>>> {
-    let mut samples = vec![Vec::new(); JUMBO_SYSTEMS.len()];
-    for round in 0..plan.rounds {
-        for k in 0..JUMBO_SYSTEMS.len() {
-            let s = (k + round) % JUMBO_SYSTEMS.len();
-            let system = JUMBO_SYSTEMS[s];
-            let bulk = with_system(topology, agent, system, |_| {
-                warm_up(topology, plan)?;
-                bulk(topology, plan)
-            })
-            .with_context(|| format!("jumbo round {}, {}", round + 1, system.label()))?;
-            eprintln!(
-                "jumbo round {} {:<20} {} Gbit/s  errors {}",
-                round + 1,
-                system.label(),
-                fmt(bulk.gbps, 2),
-                bulk.errors
-            );
-            samples[s].push(bulk);
-        }
-    }
-    Ok(samples)
+    rotating(plan, &JUMBO_SYSTEMS, |round, system| {
+        let bulk = with_system(topology, agent, system, |_| {
+            warm_up(topology, plan)?;
+            bulk(topology, plan)
+        })
+        .with_context(|| format!("jumbo round {}, {}", round + 1, system.label()))?;
+        eprintln!(
+            "jumbo round {} {:<20} {} Gbit/s  errors {}",
+            round + 1,
+            system.label(),
+            fmt(bulk.gbps, 2),
+            bulk.errors
+        );
+        Ok(bulk)
+    })
 }
 
 /// Sets `system` up in the gateway, runs `f` with the pid whose CPU counts besides softirq
@@ -602,16 +607,7 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
     let mut verdicts = Vec::new();
     for f in &figures {
         let values: Vec<Option<f64>> = (0..SYSTEMS.len()).map(|s| med(s, f.get)).collect();
-        // "x ahead": above 1 is better for us, whichever way the figure goes.
-        let ahead = |theirs: Option<f64>| -> Option<f64> {
-            let (ours, theirs) = (values[0]?, theirs?);
-            let r = if f.higher_is_better {
-                ours / theirs
-            } else {
-                theirs / ours
-            };
-            r.is_finite().then_some(r)
-        };
+        let ahead = |theirs| ahead(values[0], theirs, f.higher_is_better);
         let (vs_nft, vs_hap) = (ahead(values[1]), ahead(values[2]));
         let verdict = match (vs_nft, vs_hap) {
             (Some(a), Some(b)) if a > 1.0 && b > 1.0 => "met",
@@ -724,6 +720,18 @@ fn report(plan: &Plan, quick: bool, samples: &[Vec<Sample>], took: Duration) -> 
     out
 }
 
+/// How far ahead `ours` is of `theirs`, above 1 better for us whichever way the figure
+/// goes.
+fn ahead(ours: Option<f64>, theirs: Option<f64>, higher_is_better: bool) -> Option<f64> {
+    let (ours, theirs) = (ours?, theirs?);
+    let r = if higher_is_better {
+        ours / theirs
+    } else {
+        theirs / ours
+    };
+    r.is_finite().then_some(r)
+}
+
 /// The jumbo-frame rounds' table, appended to `out`: context, outside the goal.
 fn jumbo_report(plan: &Plan, samples: &[Vec<Bulk>], out: &mut Report) {
     let mut md = format!(
@@ -763,15 +771,7 @@ fn jumbo_report(plan: &Plan, samples: &[Vec<Bulk>], out: &mut Report) {
             .iter()
             .map(|s| median(&s.iter().map(get).collect::<Vec<_>>()))
             .collect();
-        let ahead = |theirs: Option<f64>| -> Option<f64> {
-            let (ours, theirs) = (v[0]?, theirs?);
-            let r = if higher_is_better {
-                ours / theirs
-            } else {
-                theirs / ours
-            };
-            r.is_finite().then_some(r)
-        };
+        let ahead = |theirs| ahead(v[0], theirs, higher_is_better);
         // Only throughput is a ratio worth reading; no loss at all would divide by zero.
         let (vs_nft, vs_hap) = if higher_is_better {
             (fmt(ahead(v[1]), 2) + "x", fmt(ahead(v[2]), 2) + "x")
