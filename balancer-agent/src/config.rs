@@ -172,6 +172,10 @@ pub struct Pool {
     /// (`health::api_keys`).
     #[serde(default)]
     pub api_key_file: Option<PathBuf>,
+    /// HTTPS to the servers for health checks and scrapes (`[pool.tls]`); plain HTTP when
+    /// absent.
+    #[serde(default)]
+    pub tls: Option<PoolTls>,
     /// Source ports that carry prefix hints, "FIRST-LAST" inclusive, or "off".
     #[serde(default = "default_hint_ports")]
     pub hint_ports: String,
@@ -189,6 +193,21 @@ pub struct Pool {
     pub home_load_bound: f64,
     #[serde(default)]
     pub server: Vec<Server>,
+}
+
+/// How the agent's health checks and scrapes verify a pool's servers over HTTPS
+/// (`access::Tls`): against `ca_file`, for `server_name` or else the server's address, with
+/// `cert_file` and `key_file` as the agent's own certificate where the servers ask for one.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolTls {
+    pub ca_file: PathBuf,
+    #[serde(default)]
+    pub server_name: Option<String>,
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
@@ -327,6 +346,33 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+fn validate_tls(tls: &PoolTls) -> Result<(), (&'static str, String)> {
+    let files = [
+        ("ca_file", Some(&tls.ca_file)),
+        ("cert_file", tls.cert_file.as_ref()),
+        ("key_file", tls.key_file.as_ref()),
+    ];
+    for (key, file) in files {
+        if file.is_some_and(|f| f.as_os_str().is_empty()) {
+            return Err((key, "must not be empty".into()));
+        }
+    }
+    match (&tls.cert_file, &tls.key_file) {
+        (Some(_), None) => return Err(("key_file", "is required with cert_file".into())),
+        (None, Some(_)) => return Err(("cert_file", "is required with key_file".into())),
+        _ => {}
+    }
+    if let Some(name) = &tls.server_name {
+        rustls::pki_types::ServerName::try_from(name.as_str()).map_err(|_| {
+            (
+                "server_name",
+                format!("{name:?} is not a DNS name or an IP address"),
+            )
+        })?;
+    }
+    Ok(())
+}
 
 fn validate_sync(sync: &FlowSync) -> Result<(), (String, String)> {
     if sync.listen.port() == 0 {
@@ -596,6 +642,9 @@ impl Config {
                 .is_some_and(|f| f.as_os_str().is_empty())
             {
                 return Err((at("api_key_file"), "must not be empty".into()));
+            }
+            if let Some(tls) = &p.tls {
+                validate_tls(tls).map_err(|(k, e)| (at(&format!("tls.{k}")), e))?;
             }
             parse_hint_range(&p.hint_ports, p.hint_buckets).map_err(|e| (at("hint_ports"), e))?;
             let bound = p.home_load_bound;
@@ -901,6 +950,56 @@ metrics_port = 8001
             assert!(err.starts_with("balancer.toml: "), "{err}");
             assert!(err.contains(key), "{to}: {err}");
         }
+    }
+
+    #[test]
+    fn tls_table_names_its_files() {
+        let tls = "[pool.tls]\nca_file = \"/etc/balancer/servers-ca.pem\"\n";
+        let with = |extra: &str| {
+            GOOD.replacen(
+                "port = 8000\n\n[[pool.server]]",
+                &format!("port = 8000\n\n{tls}{extra}\n[[pool.server]]"),
+                1,
+            )
+        };
+        assert_eq!(parse(GOOD).unwrap().pool[0].tls, None);
+        let named = "server_name = \"vllm.internal\"\ncert_file = \"/etc/balancer/agent.pem\"\n\
+                     key_file = \"/etc/balancer/agent.key\"\n";
+        let c = parse(&with(named)).unwrap();
+        assert_eq!(
+            c.pool[0].tls,
+            Some(PoolTls {
+                ca_file: "/etc/balancer/servers-ca.pem".into(),
+                server_name: Some("vllm.internal".into()),
+                cert_file: Some("/etc/balancer/agent.pem".into()),
+                key_file: Some("/etc/balancer/agent.key".into()),
+            })
+        );
+        assert!(parse(&with("server_name = \"10.4.0.11\"\n")).is_ok());
+        for (extra, problem) in [
+            (
+                "cert_file = \"/etc/balancer/agent.pem\"\n",
+                "`pool[0].tls.key_file`: is required with cert_file",
+            ),
+            (
+                "key_file = \"/etc/balancer/agent.key\"\n",
+                "`pool[0].tls.cert_file`: is required with key_file",
+            ),
+            (
+                "server_name = \"vllm internal\"\n",
+                "`pool[0].tls.server_name`: \"vllm internal\" is not a DNS name",
+            ),
+            (
+                "cert_file = \"\"\nkey_file = \"k\"\n",
+                "`pool[0].tls.cert_file`: must not be empty",
+            ),
+            ("verify = false\n", "unknown field `verify`"),
+        ] {
+            let err = parse(&with(extra)).expect_err(extra);
+            assert!(err.contains(problem), "{extra}: {err}");
+        }
+        let err = parse(&with("").replacen("ca_file = ", "# ", 1)).unwrap_err();
+        assert!(err.contains("missing field `ca_file`"), "{err}");
     }
 
     #[test]

@@ -16,12 +16,13 @@ use balancer_common::{
 use tracing::{info, warn};
 
 use crate::{
+    access::{Access, ApiKey, Tls},
     affinity::{self, Load, Member, PoolAffinity},
     config::{Config, Forwarding, Pool},
     control::{BucketRow, BucketsView, DrainStatus, PoolView, Response, ServerRow},
     dataplane::{Dataplane, FlowCensus, LoadCounts},
     dialect::{recent_ttft_ms, Dialect, DialectError, Reading, TtftSeries},
-    health::{ApiKey, Outcome, Track, Transition, Waited},
+    health::{Outcome, Track, Transition, Waited},
     plan::{Ids, Recovered, Weights},
     policy::{decide, worth_applying, Decision, ServerView, State, Thresholds},
     ready::{self, PoolStart, Readiness},
@@ -191,6 +192,8 @@ pub struct ScrapeTarget {
     pub counts: Option<LoadCounts>,
     /// The pool's `api_key_file`, read: llama-server wants it on `/metrics` too.
     pub api_key: Option<ApiKey>,
+    /// The pool's `[pool.tls]`, loaded.
+    pub tls: Option<Tls>,
 }
 
 /// What a health task needs to know about one server.
@@ -199,6 +202,8 @@ pub struct HealthTarget {
     pub model: Option<String>,
     /// The pool's `api_key_file`, read.
     pub api_key: Option<ApiKey>,
+    /// The pool's `[pool.tls]`, loaded.
+    pub tls: Option<Tls>,
     /// In a pool with direct server return: the server must be on a link of the gateway.
     pub direct: bool,
 }
@@ -221,8 +226,9 @@ pub struct Controller {
     sync_stats: Option<Arc<sync::Stats>>,
     /// Drain statuses' counts of open connections, shared between the pollers.
     census: Arc<FlowCensus>,
-    /// Each pool's API key (`api_key_file`), as read at the start or the last reload.
-    api_keys: HashMap<String, ApiKey>,
+    /// How to reach each pool's servers (`api_key_file`, `[pool.tls]`), as read at the start
+    /// or the last reload.
+    access: HashMap<String, Access>,
     /// Flow-table entries the sweeps deleted (`sweep.rs`): of connections that ended, and of
     /// handshakes never completed.
     reclaimed: [u64; 2],
@@ -291,7 +297,7 @@ impl Controller {
             applied: HashMap::new(),
             write_failed: false,
             census,
-            api_keys: HashMap::new(),
+            access: HashMap::new(),
             reclaimed: [0; 2],
             flow_entries: None,
             affinity: HashMap::new(),
@@ -513,6 +519,7 @@ impl Controller {
         let now = Instant::now();
         let mut targets = Vec::new();
         for (key, s) in &self.servers {
+            let Access { api_key, tls } = self.access(&key.0);
             targets.push(ScrapeTarget {
                 key: key.clone(),
                 id: s.id,
@@ -521,7 +528,8 @@ impl Controller {
                 sent_at: now,
                 stats: self.dp.backend_stats(s.id).unwrap_or(s.now),
                 counts: self.dp.load_counts(s.id).ok(),
-                api_key: self.api_keys.get(&key.0).cloned(),
+                api_key,
+                tls,
             });
         }
         targets
@@ -835,11 +843,15 @@ impl Controller {
             .collect();
         self.servers
             .iter()
-            .map(|(key, s)| HealthTarget {
-                key: key.clone(),
-                model: s.model.clone(),
-                api_key: self.api_keys.get(&key.0).cloned(),
-                direct: dsr.contains(key.0.as_str()),
+            .map(|(key, s)| {
+                let Access { api_key, tls } = self.access(&key.0);
+                HealthTarget {
+                    key: key.clone(),
+                    model: s.model.clone(),
+                    api_key,
+                    tls,
+                    direct: dsr.contains(key.0.as_str()),
+                }
             })
             .collect()
     }
@@ -1156,9 +1168,14 @@ impl Controller {
         ]
     }
 
-    /// The pools' API keys from now on ([`crate::health::api_keys`]).
-    pub fn set_api_keys(&mut self, keys: HashMap<String, ApiKey>) {
-        self.api_keys = keys;
+    /// How to reach the pools' servers from now on ([`crate::access::load`]).
+    pub fn set_access(&mut self, access: HashMap<String, Access>) {
+        self.access = access;
+    }
+
+    /// How to reach pool `name`'s servers.
+    fn access(&self, name: &str) -> Access {
+        self.access.get(name).cloned().unwrap_or_default()
     }
 
     pub fn share_stats(&mut self, stats: Arc<sync::Stats>) {

@@ -2,13 +2,15 @@
 //! that answers `/health` but cannot generate is not healthy; a server that is merely busy
 //! is not dead, which is why a failed check on a server with a queue counts as busy.
 
-use std::{collections::HashMap, net::SocketAddr, path::Path, sync::Arc, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{bail, Context, Result};
-use reqwest::RequestBuilder;
 use serde_json::{json, Value};
 
-use crate::{config::Config, scrape::body_at_most};
+use crate::{
+    access::{self, authorized, ApiKey, Tls},
+    scrape::body_at_most,
+};
 
 /// The result of one check, as the state machine sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,28 +117,33 @@ fn overloaded(status: reqwest::StatusCode) -> bool {
         || status == reqwest::StatusCode::SERVICE_UNAVAILABLE
 }
 
-/// Sends the checks. Cheap to clone; connections are not kept, so each check also proves the
-/// server still accepts new connections.
+/// Sends the checks, over HTTP or with one pool's TLS settings. Cheap to clone; connections
+/// are not kept, so each check also proves the server still accepts new connections (and,
+/// over HTTPS, completes a handshake with a certificate the pool's CA signed).
 #[derive(Clone)]
 pub struct Checker {
     client: reqwest::Client,
+    scheme: &'static str,
 }
 
 impl Checker {
-    pub fn new(timeout: Duration) -> Result<Self> {
-        let client = reqwest::Client::builder()
+    pub fn new(timeout: Duration, tls: Option<&Tls>) -> Result<Self> {
+        let client = access::client_builder(tls)
             .timeout(timeout)
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .pool_max_idle_per_host(0)
             .build()
             .context("building the health-check HTTP client")?;
-        Ok(Checker { client })
+        Ok(Checker {
+            client,
+            scheme: access::scheme(tls),
+        })
     }
 
     /// The first model the server lists, for pools that do not name one.
     pub async fn discover_model(&self, api: SocketAddr, key: Option<&ApiKey>) -> Result<String> {
-        let url = format!("http://{api}/v1/models");
+        let url = format!("{}://{api}/v1/models", self.scheme);
         let response = authorized(self.client.get(&url), key)
             .send()
             .await
@@ -153,7 +160,7 @@ impl Checker {
 
     /// One completion of one token. Ok when the server generated it.
     pub async fn check(&self, api: SocketAddr, model: &str, key: Option<&ApiKey>) -> Result<()> {
-        let url = format!("http://{api}/v1/completions");
+        let url = format!("{}://{api}/v1/completions", self.scheme);
         let request = json!({
             "model": model,
             "prompt": "Hello",
@@ -199,56 +206,6 @@ async fn json_body(mut response: reqwest::Response) -> Result<Value> {
     serde_json::from_slice(&body).context("not JSON")
 }
 
-pub fn authorized(request: RequestBuilder, key: Option<&ApiKey>) -> RequestBuilder {
-    match key {
-        Some(key) => request.bearer_auth(&key.0),
-        None => request,
-    }
-}
-
-/// The bearer token a pool's servers want on their API (`api_key_file`; vLLM's, SGLang's
-/// and llama-server's `--api-key`), sent with its health checks and scrapes (llama-server
-/// wants it on `/metrics` too). Never printed.
-#[derive(Clone, PartialEq)]
-pub struct ApiKey(Arc<str>);
-
-impl std::fmt::Debug for ApiKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ApiKey(hidden)")
-    }
-}
-
-impl ApiKey {
-    /// The key in `path`: its text, less surrounding whitespace, printable ASCII (it goes
-    /// into an HTTP header).
-    pub fn load(path: &Path) -> Result<ApiKey> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let key = text.trim();
-        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
-            bail!(
-                "{} holds no key (one line of printable ASCII without spaces)",
-                path.display()
-            );
-        }
-        Ok(ApiKey(key.into()))
-    }
-}
-
-/// Every pool's API key, by pool name, read from the files the configuration names: what
-/// `run` and every reload use, and what `check` tries.
-pub fn api_keys(config: &Config) -> Result<HashMap<String, ApiKey>> {
-    let mut keys = HashMap::new();
-    for pool in &config.pool {
-        if let Some(file) = &pool.api_key_file {
-            let key =
-                ApiKey::load(file).with_context(|| format!("pool {}: api_key_file", pool.name))?;
-            keys.insert(pool.name.clone(), key);
-        }
-    }
-    Ok(keys)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,39 +234,15 @@ mod tests {
             format!(r#"{{"choices":[{{"text":"{}"}}]}}"#, "x".repeat(1 << 20))
         }))
         .await;
-        let checker = Checker::new(Duration::from_secs(5)).unwrap();
-        let key = ApiKey("sk-1".into());
+        let checker = Checker::new(Duration::from_secs(5), None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("key"), "sk-1\n").unwrap();
+        let key = ApiKey::load(&dir.path().join("key")).unwrap();
         checker.check(keyed, "m", Some(&key)).await.unwrap();
         let refused = checker.check(keyed, "m", None).await.unwrap_err();
         assert!(format!("{refused:#}").contains("401"), "{refused:#}");
         let long = checker.check(endless, "m", None).await.unwrap_err();
         assert!(format!("{long:#}").contains("longer than"), "{long:#}");
-    }
-
-    #[test]
-    fn api_keys_are_one_printable_word_and_never_printed() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str, text: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text).unwrap();
-            path
-        };
-        let key = ApiKey::load(&file("good", "  sk-abc123\n")).unwrap();
-        assert_eq!(&*key.0, "sk-abc123");
-        assert_eq!(format!("{key:?}"), "ApiKey(hidden)");
-        for (name, text) in [
-            ("empty", "\n"),
-            ("two words", "sk-a sk-b"),
-            ("control", "sk\x07"),
-        ] {
-            let err = ApiKey::load(&file(name, text)).unwrap_err();
-            assert!(
-                format!("{err:#}").contains("holds no key"),
-                "{name}: {err:#}"
-            );
-        }
-        let missing = ApiKey::load(&dir.path().join("missing")).unwrap_err();
-        assert!(format!("{missing:#}").contains("reading"), "{missing:#}");
     }
 
     #[test]

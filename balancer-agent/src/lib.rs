@@ -1,4 +1,5 @@
 //! The balancer's agent: configuration, the data path's maps, and the control loop.
+pub mod access;
 pub mod affinity;
 pub mod config;
 pub mod control;

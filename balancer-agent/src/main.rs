@@ -300,7 +300,7 @@ fn execute(command: Command) -> Result<()> {
             if let Some(s) = &c.sync {
                 balancer_agent::sync::Keys::load(s)?;
             }
-            balancer_agent::health::api_keys(&c)?;
+            balancer_agent::access::load(&c)?;
             println!("{}: ok", config.display());
             if let Some(s) = &c.sync {
                 let peers: Vec<String> = s.peers.iter().map(ToString::to_string).collect();

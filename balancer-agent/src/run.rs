@@ -26,12 +26,13 @@ use tokio::{
 use tracing::{debug, error, info, warn};
 
 use crate::{
+    access::{self, Tls},
     config::{Config, Pool, MIN_SYNC_IDLE_TIMEOUT_S},
     control::{Request, Response},
     controller::{Controller, Handled},
     dataplane::{interface_index, Dataplane},
     exporter,
-    health::{self, Checker, Waited},
+    health::{Checker, Waited},
     pins::Pins,
     route::{NotDirect, Routes},
     scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
@@ -58,7 +59,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     // Before any map is written: with pins, the maps are the running program's, and a start
     // refused for a typo must leave them as they are.
     require_interfaces(&config)?;
-    let api_keys = health::api_keys(&config)?;
+    let access = access::load(&config)?;
     // Both listeners before the program is attached: a port that is taken must fail the
     // start, not leave a program attached behind.
     let metrics = match config.agent.metrics_listen {
@@ -108,7 +109,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     if !took_over {
         attach(controller.dataplane())?;
     }
-    controller.set_api_keys(api_keys);
+    controller.set_access(access);
     // Before any task runs: `ready` must see the peers from the first.
     let sharing = sharing.map(|(socket, keys, peers)| {
         let stats = Arc::new(sync::Stats::new(&peers));
@@ -306,7 +307,7 @@ const RELOAD_FAILED: &str = "reload failed, keeping the running configuration";
 fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<Reloaded> {
     let mut new = Config::load(path)?;
     require_interfaces(&new)?;
-    let api_keys = health::api_keys(&new)?;
+    let access = access::load(&new)?;
     let mut c = lock(ctl);
     let file_shares = new.sync.is_some();
     let mut warnings = keep_restart_only(&mut new, c.config())?;
@@ -353,7 +354,7 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<Re
     if let Some((sender, keys)) = keys {
         sender.set_keys(keys);
     }
-    c.set_api_keys(api_keys);
+    c.set_access(access);
     Ok(Reloaded { pools, warnings })
 }
 
@@ -421,9 +422,10 @@ fn keep_restart_only(new: &mut Config, running: &Config) -> Result<Vec<String>> 
 }
 
 /// Scrapes every server concurrently, once per interval, and hands the results over. The
-/// scraper lives across rounds so that its connections to the servers stay open.
+/// scrapers (one for plain HTTP, one per pool with `[pool.tls]`) live across rounds so that
+/// their connections to the servers stay open.
 async fn scrape_loop(ctl: Shared) {
-    let mut scraper: Option<Scraper> = None;
+    let mut scrapers: Vec<Scraper> = Vec::new();
     loop {
         let (targets, interval, limit) = {
             let mut c = lock(&ctl);
@@ -431,21 +433,35 @@ async fn scrape_loop(ctl: Shared) {
             (c.scrape_targets(), c.scrape_interval(), limit)
         };
         let next = Instant::now() + interval;
-        if scraper.as_ref().is_none_or(|s| s.timeout() != limit) {
-            scraper = Scraper::new(limit, DEFAULT_MAX_METRICS_BYTES)
-                .map_err(|e| warn!("cannot scrape: {e:#}"))
-                .ok();
+        // Those of another timeout, or of settings a reload replaced, go with their
+        // connections.
+        scrapers
+            .retain(|s| s.timeout() == limit && targets.iter().any(|t| t.tls.as_ref() == s.tls()));
+        let mut rounds = Vec::new();
+        for t in targets {
+            let scraper = match scrapers.iter().find(|s| s.tls() == t.tls.as_ref()) {
+                Some(s) => s.clone(),
+                None => match Scraper::new(limit, DEFAULT_MAX_METRICS_BYTES, t.tls.as_ref()) {
+                    Ok(s) => {
+                        scrapers.push(s.clone());
+                        s
+                    }
+                    Err(e) => {
+                        warn!(pool = %t.key.0, "cannot scrape: {e:#}");
+                        continue;
+                    }
+                },
+            };
+            rounds.push((scraper, t));
         }
-        if let Some(scraper) = &scraper {
-            let results = join_all(targets.into_iter().map(|t| async move {
-                let r = scraper
-                    .scrape(t.metrics, t.dialect, t.api_key.as_ref())
-                    .await;
-                (t, r)
-            }))
-            .await;
-            lock(&ctl).scraped(results);
-        }
+        let results = join_all(rounds.into_iter().map(|(scraper, t)| async move {
+            let r = scraper
+                .scrape(t.metrics, t.dialect, t.api_key.as_ref())
+                .await;
+            (t, r)
+        }))
+        .await;
+        lock(&ctl).scraped(results);
         tokio::time::sleep_until(next).await;
     }
 }
@@ -496,47 +512,53 @@ async fn health_loop(ctl: Shared, routes: Routes) {
             )
         };
         let next = Instant::now() + interval;
-        match Checker::new(Duration::from_millis(timeout_ms)) {
-            Ok(checker) => {
-                let results = join_all(targets.into_iter().map(|t| {
-                    let (checker, routes, attached) = (&checker, &routes, &attached);
-                    async move {
-                        let api = t.key.1;
-                        let limit = Duration::from_millis(timeout_ms);
-                        let result = async {
-                            if t.direct {
-                                match routes.direct(api, attached).await {
-                                    Err(e) if e.is::<NotDirect>() => return Err(e),
-                                    // Our failure, not the server's: the program still
-                                    // refuses a router (`drop_dsr_routed`).
-                                    Err(e) => warn!(
-                                        server = %api,
-                                        "checking without its route, which the kernel did not give: {e:#}"
-                                    ),
-                                    Ok(()) => {}
-                                }
-                            }
-                            let key = t.api_key.as_ref();
-                            let model = match t.model {
-                                Some(m) => m,
-                                None => checker.discover_model(api, key).await?,
-                            };
-                            checker.check(api, &model, key).await?;
-                            Ok::<_, anyhow::Error>(model)
-                        };
-                        // The whole check, model discovery included, within the timeout.
-                        match timeout(limit, result).await {
-                            Ok(Ok(model)) => (t.key, Some(model), Ok(())),
-                            Ok(Err(e)) => (t.key, None, Err(e)),
-                            Err(_) => (t.key, None, Err(Waited::Timeout(timeout_ms).into())),
+        // One checker for plain HTTP, one per pool with `[pool.tls]`.
+        let mut checkers: Vec<(Option<Tls>, Checker)> = Vec::new();
+        for t in &targets {
+            if checkers.iter().all(|(tls, _)| *tls != t.tls) {
+                match Checker::new(Duration::from_millis(timeout_ms), t.tls.as_ref()) {
+                    Ok(checker) => checkers.push((t.tls.clone(), checker)),
+                    Err(e) => warn!(pool = %t.key.0, "cannot run health checks: {e:#}"),
+                }
+            }
+        }
+        let checks = targets.into_iter().filter_map(|t| {
+            let (_, checker) = checkers.iter().find(|(tls, _)| *tls == t.tls)?;
+            let (routes, attached) = (&routes, &attached);
+            Some(async move {
+                let api = t.key.1;
+                let limit = Duration::from_millis(timeout_ms);
+                let result = async {
+                    if t.direct {
+                        match routes.direct(api, attached).await {
+                            Err(e) if e.is::<NotDirect>() => return Err(e),
+                            // Our failure, not the server's: the program still
+                            // refuses a router (`drop_dsr_routed`).
+                            Err(e) => warn!(
+                                server = %api,
+                                "checking without its route, which the kernel did not give: {e:#}"
+                            ),
+                            Ok(()) => {}
                         }
                     }
-                }))
-                .await;
-                lock(&ctl).checked(results);
-            }
-            Err(e) => warn!("cannot run health checks: {e:#}"),
-        }
+                    let key = t.api_key.as_ref();
+                    let model = match t.model {
+                        Some(m) => m,
+                        None => checker.discover_model(api, key).await?,
+                    };
+                    checker.check(api, &model, key).await?;
+                    Ok::<_, anyhow::Error>(model)
+                };
+                // The whole check, model discovery included, within the timeout.
+                match timeout(limit, result).await {
+                    Ok(Ok(model)) => (t.key, Some(model), Ok(())),
+                    Ok(Err(e)) => (t.key, None, Err(e)),
+                    Err(_) => (t.key, None, Err(Waited::Timeout(timeout_ms).into())),
+                }
+            })
+        });
+        let results = join_all(checks).await;
+        lock(&ctl).checked(results);
         tokio::time::sleep_until(next).await;
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Bounded in time (one deadline for connect, headers and body) and in size (a body larger
 //! than the limit is refused as soon as that is known, from `Content-Length` or while
-//! reading; nothing past the limit is read). Plain HTTP/1.1: no TLS, no proxy (the
+//! reading; nothing past the limit is read). HTTP/1.1, plain or with a pool's TLS settings
+//! (`access::Tls`), no proxy (the
 //! environment's `http_proxy` would otherwise apply), no redirects (a 3xx is an error), no
 //! compression (nothing asks for it). Connections are kept alive between scrapes, so keep one
 //! `Scraper` (or clones of it: they share the pool) rather than building one per round.
@@ -12,8 +13,8 @@ use std::{net::SocketAddr, time::Duration};
 use tokio::time::Instant;
 
 use crate::{
+    access::{self, authorized, ApiKey, Tls},
     dialect::{self, Dialect, DialectError, Reading},
-    health::{authorized, ApiKey},
 };
 
 /// Largest metrics body accepted by default. vLLM with several engines prints well under
@@ -61,20 +62,22 @@ impl ScrapeError {
     }
 }
 
-/// Fetches metrics. Cheap to clone (the clones share one connection pool); `scrape` takes
-/// `&self`, so one scraper serves any number of concurrent scrapes.
+/// Fetches metrics, over plain HTTP or with one pool's TLS settings. Cheap to clone (the
+/// clones share one connection pool); `scrape` takes `&self`, so one scraper serves any
+/// number of concurrent scrapes.
 #[derive(Debug, Clone)]
 pub struct Scraper {
     client: reqwest::Client,
+    tls: Option<Tls>,
     timeout: Duration,
     max_bytes: usize,
 }
 
 impl Scraper {
-    pub fn new(timeout: Duration, max_bytes: usize) -> anyhow::Result<Self> {
+    pub fn new(timeout: Duration, max_bytes: usize, tls: Option<&Tls>) -> anyhow::Result<Self> {
         anyhow::ensure!(!timeout.is_zero(), "scrape timeout must be above zero");
         anyhow::ensure!(max_bytes > 0, "metrics body limit must be above zero");
-        let client = reqwest::Client::builder()
+        let client = access::client_builder(tls)
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(timeout)
@@ -87,6 +90,7 @@ impl Scraper {
             .build()?;
         Ok(Scraper {
             client,
+            tls: tls.cloned(),
             timeout,
             max_bytes,
         })
@@ -100,7 +104,12 @@ impl Scraper {
         self.max_bytes
     }
 
-    /// GET http://addr/metrics within the timeout, reading at most `max_bytes`, then
+    /// The TLS settings it was built with.
+    pub fn tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
+    }
+
+    /// GET http(s)://addr/metrics within the timeout, reading at most `max_bytes`, then
     /// [`dialect::parse`].
     ///
     /// With the dialect forced to `trtllm`, the path is `/prometheus/metrics` (see
@@ -184,7 +193,10 @@ impl Scraper {
         };
         let request = self
             .client
-            .get(format!("http://{addr}{path}"))
+            .get(format!(
+                "{}://{addr}{path}",
+                access::scheme(self.tls.as_ref())
+            ))
             // What Prometheus itself would accept: the text format, never protobuf.
             .header(
                 reqwest::header::ACCEPT,
@@ -471,7 +483,12 @@ llamacpp:requests_deferred 1
     }
 
     fn scraper(timeout_ms: u64) -> Scraper {
-        Scraper::new(Duration::from_millis(timeout_ms), DEFAULT_MAX_METRICS_BYTES).unwrap()
+        Scraper::new(
+            Duration::from_millis(timeout_ms),
+            DEFAULT_MAX_METRICS_BYTES,
+            None,
+        )
+        .unwrap()
     }
 
     async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
@@ -599,7 +616,7 @@ llamacpp:requests_deferred 1
     async fn too_large_chunked_stops_reading() {
         let (addr, _) = serve(Behaviour::HugeChunked).await;
         let started = Instant::now();
-        let s = Scraper::new(Duration::from_secs(5), 1 << 20).unwrap();
+        let s = Scraper::new(Duration::from_secs(5), 1 << 20, None).unwrap();
         let e = bounded(s.scrape(addr, None, None)).await.unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -729,9 +746,9 @@ llamacpp:requests_deferred 1
 
     #[test]
     fn bad_settings() {
-        assert!(Scraper::new(Duration::ZERO, 1).is_err());
-        assert!(Scraper::new(Duration::from_secs(1), 0).is_err());
-        let s = Scraper::new(Duration::from_millis(250), 1000).unwrap();
+        assert!(Scraper::new(Duration::ZERO, 1, None).is_err());
+        assert!(Scraper::new(Duration::from_secs(1), 0, None).is_err());
+        let s = Scraper::new(Duration::from_millis(250), 1000, None).unwrap();
         assert_eq!(
             (s.timeout(), s.max_bytes()),
             (Duration::from_millis(250), 1000)

@@ -90,6 +90,9 @@ pub struct Pool {
     /// A file holding the servers' API key, sent with the health checks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<PathBuf>,
+    /// `[pool.tls]`: HTTPS for the health checks and scrapes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<PoolTls>,
     /// Requests each server runs at once: a bucket's home takes this many hinted
     /// connections before it spills (learned from the highest running count when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -101,6 +104,18 @@ pub struct Pool {
     pub hint_buckets: Option<u16>,
     #[serde(rename = "server")]
     pub servers: Vec<Server>,
+}
+
+/// `[pool.tls]`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolTls {
+    pub ca_file: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -126,6 +141,7 @@ impl AgentConfig {
             dialect: None,
             model: None,
             api_key_file: None,
+            tls: None,
             slots: None,
             hint_ports: None,
             hint_buckets: None,

@@ -33,9 +33,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use balancer_agent::control::{PoolView, ServerRow};
-use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
+use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolTls, PoolViewExt};
 use balancer_tests::backends::{SimBackends, SimState};
 use balancer_tests::sim::client::{self, Item, Stream};
+use balancer_tests::sim::tls;
 use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS};
 use balancer_tests::{check_nothing_remains, serial};
 use serde_json::{json, Value};
@@ -74,6 +75,7 @@ fn control_loop_end_to_end() {
             "2c. a server that wants an API key",
             api_key_servers_need_the_key,
         ),
+        ("2d. servers over HTTPS", tls_servers),
         ("3. a busy server stays UP", busy_servers_stay_up),
         ("3b. a hung server goes DOWN", hung_servers_go_down),
         ("4. drain under load", drain_under_load),
@@ -123,6 +125,90 @@ fn api_key_servers_need_the_key(bed: &mut Bed) -> Result<()> {
         |pool| Ok((0..BACKENDS).all(|i| row(pool, i).is_ok_and(|r| r.state == "UP"))),
     )?;
     println!("with the key: every server UP");
+    Ok(())
+}
+
+/// Scenario 2d. Every simulator restarted as vLLM serving HTTPS (`--ssl-certfile`, and
+/// `--ssl-ca-certs` requiring client certificates), with one certificate for the service's
+/// name: the plain checks fail and every server goes DOWN, saying why; with the pool's
+/// `[pool.tls]` (its CA, the service's name, the agent's certificate) and `/metrics` on the
+/// API port, reloaded, every server is UP, checked and scraped over TLS; and clients'
+/// completions through the VIP are TLS end to end, the balancer passing it through.
+fn tls_servers(bed: &mut Bed) -> Result<()> {
+    const SERVICE: &str = "vllm.internal";
+    let pki = tls::Pki::new(&bed.topology.dir().join("pki"))?;
+    let (server_cert, server_key) = pki.issue("server", &[SERVICE])?;
+    let (agent_cert, agent_key) = pki.issue("agent", &["balancer-agent"])?;
+    let (client_cert, client_key) = pki.issue("client", &["client"])?;
+    let path = |p: &Path| p.display().to_string();
+    for i in 0..BACKENDS {
+        let args: Vec<String> = vec![
+            "--dialect".into(),
+            "vllm".into(),
+            "--tls-cert".into(),
+            path(&server_cert),
+            "--tls-key".into(),
+            path(&server_key),
+            "--tls-client-ca".into(),
+            path(&pki.ca_file()),
+        ];
+        bed.sims.restart(i, &args)?;
+    }
+    let (shown, _) = bed.wait_show(
+        "every server DOWN over plain HTTP",
+        Duration::from_secs(10),
+        |pool| Ok((0..BACKENDS).all(|i| row(pool, i).is_ok_and(|r| r.state == "DOWN"))),
+    )?;
+    let health = &row(&shown, 0)?.health;
+    println!("over plain HTTP: every server DOWN, health: {health}");
+    ensure!(health.contains("http://"), "health {health:?}");
+
+    let mut config = bed.config.clone();
+    let pool = &mut config.pools[0];
+    pool.tls = Some(PoolTls {
+        ca_file: pki.ca_file(),
+        server_name: Some(SERVICE.into()),
+        cert_file: Some(agent_cert),
+        key_file: Some(agent_key),
+    });
+    for server in &mut pool.servers {
+        server.metrics_port = server.port;
+    }
+    bed.agent.reload(&config)?;
+    bed.wait_show("every server UP and scraped over HTTPS", SETTLE, |pool| {
+        Ok((0..BACKENDS).all(|i| row(pool, i).is_ok_and(healthy)))
+    })?;
+    println!("with [pool.tls]: every server UP, checked and scraped over HTTPS");
+
+    let vip = Family::V4.vip();
+    let client = tls::client_config(&pki.ca_file(), Some((&client_cert, &client_key)))?;
+    let body = json!({"prompt": "ping over TLS", "max_tokens": 4}).to_string();
+    let ports = bed.ports(8)?;
+    let answered = bed.topology.client().enter(|| {
+        ports
+            .map(|port| {
+                let reply = tls::request_from(
+                    vip,
+                    port,
+                    client.clone(),
+                    SERVICE,
+                    "POST",
+                    "/v1/completions",
+                    Some(&body),
+                )
+                .with_context(|| {
+                    format!("a completion over TLS through the VIP from port {port}")
+                })?;
+                ensure!(reply.status() == 200, "port {port}: {reply:?}");
+                reply
+                    .head
+                    .header("x-backend")
+                    .map(str::to_owned)
+                    .with_context(|| format!("no x-backend in the answer to port {port}"))
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    println!("8 completions over TLS through the VIP, answered by {answered:?}");
     Ok(())
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use balancer_tests::sim::client::{self, chunk_text, is_timeout, Item, Stream};
 use balancer_tests::sim::launch::SimServer;
+use balancer_tests::sim::tls;
 use prometheus_parse::{Scrape, Value as Sample};
 use serde_json::{json, Value};
 
@@ -178,6 +179,55 @@ fn listens_on_every_address_with_metrics_beside_each() {
         assert_eq!(client::get(*addr, "/metrics").unwrap().status(), 200);
         assert_eq!(client::get(*addr, "/admin/state").unwrap().status(), 200);
     }
+}
+
+/// With `--tls-cert` and `--tls-client-ca`, the API answers only over TLS and only a client
+/// with a certificate from that CA; the admin port stays plain.
+#[test]
+fn https_with_client_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = tls::Pki::new(&dir.path().join("pki")).unwrap();
+    let (cert, key) = pki.issue("server", &["127.0.0.1"]).unwrap();
+    let (client_cert, client_key) = pki.issue("client", &["client"]).unwrap();
+    let ca = pki.ca_file();
+    let arg = |p: &Path| p.display().to_string();
+    let (cert, key, ca_arg) = (arg(&cert), arg(&key), arg(&ca));
+    let sim = start(
+        &dir,
+        "log",
+        &[
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--tls-client-ca",
+            &ca_arg,
+        ],
+    );
+    let request = |identity: Option<(&Path, &Path)>| {
+        let config = tls::client_config(&ca, identity).unwrap();
+        tls::request_from(sim.api, 0, config, "127.0.0.1", "GET", "/metrics", None)
+    };
+    let reply = request(Some((&client_cert, &client_key))).unwrap();
+    assert_eq!(reply.status(), 200);
+    assert!(
+        reply.body.contains("vllm:num_requests_running"),
+        "{}",
+        reply.body
+    );
+    let refused = request(None).unwrap_err();
+    assert!(
+        format!("{refused:#}").contains("CertificateRequired"),
+        "{refused:#}"
+    );
+    assert!(
+        client::get(sim.api, "/health").is_err(),
+        "plain HTTP to the TLS API"
+    );
+    assert_eq!(
+        client::get(sim.metrics, "/admin/state").unwrap().status(),
+        200
+    );
 }
 
 #[test]

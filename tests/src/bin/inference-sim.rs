@@ -4,6 +4,8 @@
 use std::collections::BTreeSet;
 use std::future::IntoFuture;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -12,6 +14,7 @@ use balancer_tests::sim::api::{api_router, metrics_router, App};
 use balancer_tests::sim::engine::{Config, Engine, Sim};
 use balancer_tests::sim::faults::Fault;
 use balancer_tests::sim::metrics::Dialect;
+use balancer_tests::sim::tls;
 use clap::Parser;
 use tokio::task::JoinSet;
 
@@ -71,6 +74,17 @@ struct Args {
     /// The `/v1` routes answer 401 without `Authorization: Bearer KEY` (vLLM's --api-key).
     #[arg(long)]
     api_key: Option<String>,
+    /// Serve the API (and the /metrics it serves) over HTTPS with this certificate (PEM), as
+    /// vLLM's --ssl-certfile; the admin port stays plain HTTP.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM), as vLLM's --ssl-keyfile.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM), as vLLM's --ssl-ca-certs with
+    /// --ssl-cert-reqs 2.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// A fault in force from the start: KIND[:KEY=VALUE,...]; repeat for several.
     #[arg(long = "fault", value_parser = Fault::parse_cli)]
     faults: Vec<Fault>,
@@ -108,6 +122,15 @@ async fn main() -> anyhow::Result<()> {
         app.apply(fault);
     }
 
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(
+            tls::server_config(cert, key, args.tls_client_ca.as_deref()).context("--tls-cert")?,
+        )),
+        _ => None,
+    };
+    if tls.is_some() {
+        eprintln!("the API over HTTPS");
+    }
     let mut servers = JoinSet::new();
     let mut api = Vec::new();
     for addr in &args.listen {
@@ -118,13 +141,17 @@ async fn main() -> anyhow::Result<()> {
     for ip in ips {
         metrics.push(bind(SocketAddr::new(ip, args.metrics_port)).await?);
     }
-    for (listeners, router, role) in [
-        (api, api_router(app.clone()), "api"),
-        (metrics, metrics_router(app.clone()), "metrics"),
+    for (listeners, router, role, tls) in [
+        (api, api_router(app.clone()), "api", tls),
+        (metrics, metrics_router(app.clone()), "metrics", None),
     ] {
         for listener in listeners {
+            // The line `SimServer::spawn` reads the address from.
             eprintln!("listening on {} ({role})", listener.local_addr()?);
-            servers.spawn(axum::serve(listener, router.clone()).into_future());
+            match &tls {
+                Some(config) => servers.spawn(tls::serve(listener, router.clone(), config.clone())),
+                None => servers.spawn(axum::serve(listener, router.clone()).into_future()),
+            };
         }
     }
     eprintln!("ready");

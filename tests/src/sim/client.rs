@@ -17,7 +17,7 @@ use crate::client::MAX_BODY;
 pub const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connects to `addr` from `src_port` (0: any port).
-fn connect(addr: SocketAddr, src_port: u16) -> Result<TcpStream> {
+pub(crate) fn connect(addr: SocketAddr, src_port: u16) -> Result<TcpStream> {
     let stream = crate::client::connect_from(addr, src_port, TIMEOUT)?;
     stream.set_read_timeout(Some(TIMEOUT))?;
     stream.set_write_timeout(Some(TIMEOUT))?;

@@ -12,3 +12,4 @@ pub mod kv;
 pub mod launch;
 pub mod metrics;
 pub mod text;
+pub mod tls;
