@@ -568,8 +568,16 @@ fn pools(c: &Config) -> String {
             Forwarding::Nat => "",
             Forwarding::Dsr => ", direct server return",
         };
+        let https = match &p.tls {
+            Some(_) => ", checked and scraped over HTTPS",
+            None => "",
+        };
         let vip = SocketAddr::new(p.vip, p.port);
-        out += &format!("pool {} {vip} ({} servers{dsr})\n", p.name, p.server.len());
+        out += &format!(
+            "pool {} {vip} ({} servers{dsr}{https})\n",
+            p.name,
+            p.server.len()
+        );
         for s in &p.server {
             let addr = SocketAddr::new(s.address, s.port);
             out += &format!("  {addr} weight {}\n", s.weight);
@@ -623,6 +631,33 @@ metrics_port = 8000
         assert_eq!(
             pools(&c),
             "pool v6 [2001:db8::60]:8000 (1 servers)\n  [fd00:4::11]:8000 weight 100\n"
+        );
+    }
+
+    #[test]
+    fn check_says_which_pools_are_reached_over_https() {
+        let text = r#"
+[agent]
+interfaces = ["eth0"]
+
+[[pool]]
+name = "chat"
+vip = "192.0.2.60"
+port = 443
+
+[pool.tls]
+ca_file = "/etc/balancer/servers-ca.pem"
+
+[[pool.server]]
+address = "10.4.0.11"
+port = 8000
+metrics_port = 8000
+"#;
+        let c = Config::parse(Path::new("tls.toml"), text).unwrap();
+        assert_eq!(
+            pools(&c),
+            "pool chat 192.0.2.60:443 (1 servers, checked and scraped over HTTPS)\n  \
+             10.4.0.11:8000 weight 100\n"
         );
     }
 
