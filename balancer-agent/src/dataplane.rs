@@ -176,6 +176,9 @@ pub struct Dataplane {
     multi_buffer: HashMap<u32, bool>,
     /// Asking the kernel for drivers' XDP features failed last time (said once a streak).
     multi_buffer_failing: bool,
+    /// The socket that asks the kernel which drivers transmit frames in several buffers,
+    /// kept between the relinks' questions (once a second); made again after a failure.
+    netdev: Option<Netdev>,
     buckets: Array<MapData, Bucket>,
     /// `BackendLoad` per backend: three slots each.
     load: MappedSlots,
@@ -310,6 +313,7 @@ impl Dataplane {
             egress_frags,
             multi_buffer: HashMap::new(),
             multi_buffer_failing: false,
+            netdev: None,
             buckets,
             load,
             opens,
@@ -707,8 +711,8 @@ impl Dataplane {
             true => self.xdp_mode == config::XdpMode::Generic && !self.inherited,
             false => self.links.values().all(|a| a.generic == Some(true)),
         };
-        // `None`: no need to ask.
-        let mut netdev = (!generic_only).then(Netdev::open);
+        // `None`: no need to ask. The socket asked last time, kept unless something failed.
+        let mut netdev = (!generic_only).then(|| self.netdev.take().map_or_else(Netdev::open, Ok));
         let mut failed = None;
         for (name, index) in interfaces {
             let takes = match &mut netdev {
@@ -752,7 +756,10 @@ impl Dataplane {
             }
         }
         match failed {
-            None => self.multi_buffer_failing = false,
+            None => {
+                self.multi_buffer_failing = false;
+                self.netdev = netdev.and_then(Result::ok);
+            }
             Some(e) => {
                 if !std::mem::replace(&mut self.multi_buffer_failing, true) {
                     warn!("asking the kernel which drivers transmit frames in several buffers from XDP: {e:#}; asked again every second");

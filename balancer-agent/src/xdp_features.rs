@@ -136,7 +136,8 @@ impl Netdev {
         });
         request.set_resolved_family_id(family);
         request.finalize();
-        self.sequence += 1;
+        // Kept for the agent's life by its relinks: one question a second per interface.
+        self.sequence = self.sequence.wrapping_add(1);
         match ask(&self.socket, self.sequence, request)? {
             Answer::Payload(m) => Ok(m
                 .payload
