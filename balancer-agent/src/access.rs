@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use reqwest::RequestBuilder;
 use rustls::{
     client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
-    client::WebPkiServerVerifier,
+    client::{Resumption, WebPkiServerVerifier},
     pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, ServerName, UnixTime},
     ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
@@ -102,11 +102,14 @@ impl Tls {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = RootCertStore::empty();
         let ca = &settings.ca_file;
-        let certs = read_certs(ca)?;
-        for (i, cert) in certs.into_iter().enumerate() {
-            roots
-                .add(cert)
-                .with_context(|| format!("{}: certificate {} is not a CA", ca.display(), i + 1))?;
+        for (i, cert) in read_certs(ca)?.into_iter().enumerate() {
+            roots.add(cert).with_context(|| {
+                format!(
+                    "{}: certificate {} cannot be used as a trust anchor",
+                    ca.display(),
+                    i + 1
+                )
+            })?;
         }
         let builder = ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -126,26 +129,34 @@ impl Tls {
                     .with_custom_certificate_verifier(Arc::new(ForName { name, inner }))
             }
         };
-        let config = match (&settings.cert_file, &settings.key_file) {
+        let mut config = match (&settings.cert_file, &settings.key_file) {
             (Some(cert), Some(key)) => {
                 let chain = read_certs(cert)?;
-                let key = PrivateKeyDer::from_pem_file(key)
-                    .with_context(|| format!("{}: no private key read", key.display()))?;
+                let key = PrivateKeyDer::from_pem_slice(&read(key)?)
+                    .with_context(|| format!("{} holds no PEM private key", key.display()))?;
                 builder
                     .with_client_auth_cert(chain, key)
                     .context("cert_file and key_file")?
             }
             _ => builder.with_no_client_auth(),
         };
+        // No session resumption: a resumed handshake skips verifying the certificate, so
+        // checks would go on passing against a server whose certificate has since expired or
+        // been replaced by one the pool's CA never signed.
+        config.resumption = Resumption::disabled();
         Ok(Tls(Arc::new(config)))
     }
 }
 
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
 /// The certificates of the PEM file at `path`: at least one.
 fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .with_context(|| format!("reading {}", path.display()))?;
+    let certs = CertificateDer::pem_slice_iter(&read(path)?)
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("{}: a certificate that cannot be read", path.display()))?;
     if certs.is_empty() {
         bail!("{} holds no PEM certificate", path.display());
     }
@@ -197,7 +208,7 @@ impl ServerCertVerifier for ForName {
     }
 }
 
-/// `http` or `https`.
+/// The scheme of the agent's URLs to a pool's servers.
 pub fn scheme(tls: Option<&Tls>) -> &'static str {
     if tls.is_some() {
         "https"
@@ -208,9 +219,11 @@ pub fn scheme(tls: Option<&Tls>) -> &'static str {
 
 /// A client builder for plain HTTP (`tls` None) or for HTTPS with a pool's settings.
 pub fn client_builder(tls: Option<&Tls>) -> reqwest::ClientBuilder {
-    // reqwest sets TLS up for plain clients too, by default from the process's crypto
-    // provider and the system's roots: they get a configuration that trusts nobody instead,
-    // since they never make a TLS connection.
+    // reqwest sets TLS up for plain clients too, from the process's default crypto
+    // provider, and panics where there is none (its `rustls-no-provider` feature, which
+    // keeps aws-lc out of the build): they get a configuration of their own, trusting
+    // nobody, since they never make a TLS connection. Every client of the agent is built
+    // here for that reason.
     static PLAIN: LazyLock<ClientConfig> = LazyLock::new(|| {
         ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
             .with_safe_default_protocol_versions()
@@ -231,7 +244,13 @@ mod tests {
         BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
         KeyUsagePurpose,
     };
-    use rustls::{server::WebPkiClientVerifier, ServerConfig};
+    use std::{path::PathBuf, sync::Mutex};
+
+    use rustls::{
+        server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier},
+        sign::CertifiedKey,
+        ServerConfig,
+    };
     use tokio_rustls::TlsAcceptor;
 
     use super::*;
@@ -241,7 +260,7 @@ mod tests {
     /// files into `dir`.
     struct Ca {
         issuer: CertifiedIssuer<'static, KeyPair>,
-        dir: std::path::PathBuf,
+        dir: PathBuf,
     }
 
     impl Ca {
@@ -259,47 +278,56 @@ mod tests {
             ca
         }
 
-        fn file(&self, name: &str) -> std::path::PathBuf {
+        fn file(&self, name: &str) -> PathBuf {
             self.dir.join(name)
         }
 
-        /// A certificate for `names` (DNS names or addresses): its chain and key, DER.
-        fn sign(&self, names: &[&str]) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        /// A certificate for `names` (DNS names or addresses), and its key.
+        fn issue(&self, names: &[&str]) -> (rcgen::Certificate, KeyPair) {
             let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
             let key = KeyPair::generate().unwrap();
             let cert = CertificateParams::new(names)
                 .unwrap()
                 .signed_by(&key, &self.issuer)
                 .unwrap();
-            let key = PrivateKeyDer::try_from(key.serialize_der()).unwrap();
-            (vec![cert.der().clone()], key)
+            (cert, key)
         }
 
-        /// Like `sign`, written to `NAME.pem` and `NAME.key`.
-        fn sign_files(
-            &self,
-            name: &str,
-            names: &[&str],
-        ) -> (std::path::PathBuf, std::path::PathBuf) {
-            let key = KeyPair::generate().unwrap();
-            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-            let cert = CertificateParams::new(names)
-                .unwrap()
-                .signed_by(&key, &self.issuer)
-                .unwrap();
-            let (cert_file, key_file) = (
+        /// A certificate for `names` and its key, as a server presents them.
+        fn certified(&self, names: &[&str]) -> Arc<CertifiedKey> {
+            let (cert, key) = self.issue(names);
+            let key = PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+            let provider = rustls::crypto::ring::default_provider();
+            Arc::new(CertifiedKey::from_der(vec![cert.der().clone()], key, &provider).unwrap())
+        }
+
+        /// A certificate for `names` written to `NAME.pem`, its key to `NAME.key`.
+        fn issue_files(&self, name: &str, names: &[&str]) -> (PathBuf, PathBuf) {
+            let (cert, key) = self.issue(names);
+            let files = (
                 self.file(&format!("{name}.pem")),
                 self.file(&format!("{name}.key")),
             );
-            std::fs::write(&cert_file, cert.pem()).unwrap();
-            std::fs::write(&key_file, key.serialize_pem()).unwrap();
-            (cert_file, key_file)
+            std::fs::write(&files.0, cert.pem()).unwrap();
+            std::fs::write(&files.1, key.serialize_pem()).unwrap();
+            files
+        }
+    }
+
+    /// The certificate a test server presents, which the test may replace.
+    #[derive(Debug)]
+    struct Presented(Mutex<Arc<CertifiedKey>>);
+
+    impl ResolvesServerCert for Presented {
+        fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+            Some(self.0.lock().unwrap().clone())
         }
     }
 
     /// An inference server's two routes over HTTPS on loopback, with a certificate for
-    /// `names` from `ca`, wanting a client certificate from `clients` if given.
-    async fn serve(ca: &Ca, names: &[&str], clients: Option<&Ca>) -> SocketAddr {
+    /// `names` from `ca`, wanting a client certificate from `clients` if given; and the
+    /// certificate it presents.
+    async fn serve(ca: &Ca, names: &[&str], clients: Option<&Ca>) -> (SocketAddr, Arc<Presented>) {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -316,8 +344,9 @@ mod tests {
             }
             None => builder.with_no_client_auth(),
         };
-        let (chain, key) = ca.sign(names);
-        let acceptor = TlsAcceptor::from(Arc::new(builder.with_single_cert(chain, key).unwrap()));
+        let presented = Arc::new(Presented(Mutex::new(ca.certified(names))));
+        let config = builder.with_cert_resolver(presented.clone());
+        let acceptor = TlsAcceptor::from(Arc::new(config));
         let router = axum::Router::new()
             .route(
                 "/metrics",
@@ -347,7 +376,7 @@ mod tests {
                 });
             }
         });
-        addr
+        (addr, presented)
     }
 
     fn settings(ca: &Ca, ca_name: &str) -> PoolTls {
@@ -384,10 +413,10 @@ mod tests {
     async fn scrapes_and_checks_over_tls_verify_the_server() {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::new(dir.path(), "ca.pem");
-        let other = Ca::new(dir.path(), "other-ca.pem");
+        let _other = Ca::new(dir.path(), "other-ca.pem");
 
         // A certificate for the server's address.
-        let by_address = serve(&ca, &["127.0.0.1"], None).await;
+        let (by_address, _) = serve(&ca, &["127.0.0.1"], None).await;
         reach(by_address, &settings(&ca, "ca.pem")).await.unwrap();
         // Another CA's trust is not enough.
         let e = reach(by_address, &settings(&ca, "other-ca.pem"))
@@ -396,10 +425,11 @@ mod tests {
         assert!(e.contains("UnknownIssuer"), "{e}");
         // Plain HTTP to a TLS server fails, and says so.
         let plain = Scraper::new(Duration::from_secs(5), 1 << 20, None).unwrap();
-        assert!(plain.scrape(by_address, None, None).await.is_err());
+        let e = plain.scrape(by_address, None, None).await.unwrap_err();
+        assert!(e.to_string().contains("invalid HTTP version parsed"), "{e}");
 
         // A certificate for the service's name only: that name must be given.
-        let by_name = serve(&ca, &["vllm.internal"], None).await;
+        let (by_name, _) = serve(&ca, &["vllm.internal"], None).await;
         let e = reach(by_name, &settings(&ca, "ca.pem")).await.unwrap_err();
         assert!(e.contains(r#"not valid for name \"127.0.0.1\""#), "{e}");
         let named = PoolTls {
@@ -416,17 +446,45 @@ mod tests {
             e.contains(r#"not valid for name \"sglang.internal\""#),
             "{e}"
         );
-        drop(other);
+    }
+
+    /// Each check verifies the certificate anew: none resumes an earlier session, which
+    /// would skip that.
+    #[tokio::test]
+    async fn a_replaced_certificate_fails_the_next_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::new(dir.path(), "ca.pem");
+        let other = Ca::new(dir.path(), "other-ca.pem");
+        let (addr, presented) = serve(&ca, &["127.0.0.1"], None).await;
+        let tls = Tls::load(&settings(&ca, "ca.pem")).unwrap();
+        let checker = Checker::new(Duration::from_secs(5), Some(&tls)).unwrap();
+        for _ in 0..3 {
+            checker.check(addr, "m", None).await.unwrap();
+        }
+        *presented.0.lock().unwrap() = other.certified(&["127.0.0.1"]);
+        let e = checker.check(addr, "m", None).await.unwrap_err();
+        assert!(format!("{e:#}").contains("UnknownIssuer"), "{e:#}");
+    }
+
+    /// Every load is a new setting, even of the same files: what makes a reload rebuild the
+    /// clients, and so read rotated files.
+    #[test]
+    fn two_loads_are_two_settings() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = Ca::new(dir.path(), "ca.pem");
+        let tls = Tls::load(&settings(&ca, "ca.pem")).unwrap();
+        assert_eq!(tls, tls.clone());
+        assert_ne!(tls, Tls::load(&settings(&ca, "ca.pem")).unwrap());
     }
 
     #[tokio::test]
     async fn a_client_certificate_where_the_servers_want_one() {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::new(dir.path(), "ca.pem");
-        let addr = serve(&ca, &["127.0.0.1"], Some(&ca)).await;
+        let (addr, _) = serve(&ca, &["127.0.0.1"], Some(&ca)).await;
         let e = reach(addr, &settings(&ca, "ca.pem")).await.unwrap_err();
         assert!(e.contains("CertificateRequired"), "{e}");
-        let (cert_file, key_file) = ca.sign_files("agent", &["balancer-agent"]);
+        let (cert_file, key_file) = ca.issue_files("agent", &["balancer-agent"]);
         let with_cert = PoolTls {
             cert_file: Some(cert_file),
             key_file: Some(key_file),
@@ -439,7 +497,7 @@ mod tests {
     fn bad_files_are_refused_with_their_name() {
         let dir = tempfile::tempdir().unwrap();
         let ca = Ca::new(dir.path(), "ca.pem");
-        let (cert_file, key_file) = ca.sign_files("agent", &["balancer-agent"]);
+        let (cert_file, key_file) = ca.issue_files("agent", &["balancer-agent"]);
         std::fs::write(dir.path().join("empty.pem"), "").unwrap();
         let load = |tls: PoolTls| Tls::load(&tls).map(drop).map_err(|e| format!("{e:#}"));
         assert!(load(settings(&ca, "ca.pem")).is_ok());
@@ -461,7 +519,14 @@ mod tests {
             ..settings(&ca, "ca.pem")
         })
         .unwrap_err();
-        assert!(e.contains("agent.pem: no private key read"), "{e}");
+        assert!(e.contains("agent.pem holds no PEM private key"), "{e}");
+        let e = load(PoolTls {
+            cert_file: Some(cert_file.clone()),
+            key_file: Some(dir.path().join("missing.key")),
+            ..settings(&ca, "ca.pem")
+        })
+        .unwrap_err();
+        assert!(e.contains("reading") && e.contains("missing.key"), "{e}");
     }
 
     #[test]

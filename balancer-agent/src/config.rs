@@ -169,7 +169,7 @@ pub struct Pool {
     pub model: Option<String>,
     /// A file holding the bearer token the servers' API wants (their `--api-key`), sent with
     /// every health check and scrape; read at start and at every reload
-    /// (`health::api_keys`).
+    /// (`access::load`).
     #[serde(default)]
     pub api_key_file: Option<PathBuf>,
     /// HTTPS to the servers for health checks and scrapes (`[pool.tls]`); plain HTTP when

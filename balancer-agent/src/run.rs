@@ -13,7 +13,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use futures_util::future::join_all;
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
@@ -35,7 +35,7 @@ use crate::{
     health::{Checker, Waited},
     pins::Pins,
     route::{NotDirect, Routes},
-    scrape::{Scraper, DEFAULT_MAX_METRICS_BYTES},
+    scrape::{ScrapeError, Scraper, DEFAULT_MAX_METRICS_BYTES},
     sweep, sync,
 };
 
@@ -426,6 +426,7 @@ fn keep_restart_only(new: &mut Config, running: &Config) -> Result<Vec<String>> 
 /// their connections to the servers stay open.
 async fn scrape_loop(ctl: Shared) {
     let mut scrapers: Vec<Scraper> = Vec::new();
+    let mut failing = false;
     loop {
         let (targets, interval, limit) = {
             let mut c = lock(&ctl);
@@ -437,28 +438,36 @@ async fn scrape_loop(ctl: Shared) {
         // connections.
         scrapers
             .retain(|s| s.timeout() == limit && targets.iter().any(|t| t.tls.as_ref() == s.tls()));
-        let mut rounds = Vec::new();
-        for t in targets {
-            let scraper = match scrapers.iter().find(|s| s.tls() == t.tls.as_ref()) {
-                Some(s) => s.clone(),
-                None => match Scraper::new(limit, DEFAULT_MAX_METRICS_BYTES, t.tls.as_ref()) {
-                    Ok(s) => {
-                        scrapers.push(s.clone());
-                        s
+        for t in &targets {
+            if scrapers.iter().all(|s| s.tls() != t.tls.as_ref()) {
+                match Scraper::new(limit, DEFAULT_MAX_METRICS_BYTES, t.tls.as_ref()) {
+                    Ok(s) => scrapers.push(s),
+                    // Its servers' scrapes fail, saying why: `show` has the reason.
+                    Err(e) if !std::mem::replace(&mut failing, true) => {
+                        warn!(pool = %t.key.0, "cannot build the scrapes' HTTP client: {e:#}")
                     }
-                    Err(e) => {
-                        warn!(pool = %t.key.0, "cannot scrape: {e:#}");
-                        continue;
-                    }
-                },
-            };
-            rounds.push((scraper, t));
+                    Err(_) => {}
+                }
+            }
         }
-        let results = join_all(rounds.into_iter().map(|(scraper, t)| async move {
-            let r = scraper
-                .scrape(t.metrics, t.dialect, t.api_key.as_ref())
-                .await;
-            (t, r)
+        if targets
+            .iter()
+            .all(|t| scrapers.iter().any(|s| s.tls() == t.tls.as_ref()))
+        {
+            failing = false;
+        }
+        let results = join_all(targets.into_iter().map(|t| {
+            let scraper = scrapers.iter().find(|s| s.tls() == t.tls.as_ref());
+            async move {
+                let r = match scraper {
+                    Some(s) => s.scrape(t.metrics, t.dialect, t.api_key.as_ref()).await,
+                    None => Err(ScrapeError::Http {
+                        addr: t.metrics,
+                        reason: "the agent could not build its HTTP client (see its log)".into(),
+                    }),
+                };
+                (t, r)
+            }
         }))
         .await;
         lock(&ctl).scraped(results);
@@ -501,6 +510,7 @@ async fn relink_loop(ctl: Shared) {
 /// One-token completions to every server, on their own schedule; for a DSR pool's server,
 /// first the kernel's route to it (see `route`).
 async fn health_loop(ctl: Shared, routes: Routes) {
+    let mut failing = false;
     loop {
         let (targets, interval, timeout_ms, attached) = {
             let c = lock(&ctl);
@@ -513,19 +523,34 @@ async fn health_loop(ctl: Shared, routes: Routes) {
         };
         let next = Instant::now() + interval;
         // One checker for plain HTTP, one per pool with `[pool.tls]`.
-        let mut checkers: Vec<(Option<Tls>, Checker)> = Vec::new();
+        let mut checkers: Vec<(Option<Tls>, Option<Checker>)> = Vec::new();
         for t in &targets {
             if checkers.iter().all(|(tls, _)| *tls != t.tls) {
-                match Checker::new(Duration::from_millis(timeout_ms), t.tls.as_ref()) {
-                    Ok(checker) => checkers.push((t.tls.clone(), checker)),
-                    Err(e) => warn!(pool = %t.key.0, "cannot run health checks: {e:#}"),
-                }
+                let checker = Checker::new(Duration::from_millis(timeout_ms), t.tls.as_ref())
+                    .map_err(|e| {
+                        if !std::mem::replace(&mut failing, true) {
+                            warn!(pool = %t.key.0, "cannot build the health checks' HTTP client: {e:#}");
+                        }
+                    })
+                    .ok();
+                checkers.push((t.tls.clone(), checker));
             }
         }
-        let checks = targets.into_iter().filter_map(|t| {
-            let (_, checker) = checkers.iter().find(|(tls, _)| *tls == t.tls)?;
+        if checkers.iter().all(|(_, c)| c.is_some()) {
+            failing = false;
+        }
+        let checks = targets.into_iter().map(|t| {
+            let checker = checkers
+                .iter()
+                .find(|(tls, _)| *tls == t.tls)
+                .and_then(|(_, c)| c.as_ref());
             let (routes, attached) = (&routes, &attached);
-            Some(async move {
+            async move {
+                // Failed, not skipped: a server nobody checks must not stay UP.
+                let Some(checker) = checker else {
+                    let e = anyhow!("the agent could not build its HTTP client (see its log)");
+                    return (t.key, None, Err(e));
+                };
                 let api = t.key.1;
                 let limit = Duration::from_millis(timeout_ms);
                 let result = async {
@@ -555,7 +580,7 @@ async fn health_loop(ctl: Shared, routes: Routes) {
                     Ok(Err(e)) => (t.key, None, Err(e)),
                     Err(_) => (t.key, None, Err(Waited::Timeout(timeout_ms).into())),
                 }
-            })
+            }
         });
         let results = join_all(checks).await;
         lock(&ctl).checked(results);

@@ -2,10 +2,9 @@
 //!
 //! Bounded in time (one deadline for connect, headers and body) and in size (a body larger
 //! than the limit is refused as soon as that is known, from `Content-Length` or while
-//! reading; nothing past the limit is read). HTTP/1.1, plain or with a pool's TLS settings
-//! (`access::Tls`), no proxy (the
-//! environment's `http_proxy` would otherwise apply), no redirects (a 3xx is an error), no
-//! compression (nothing asks for it). Connections are kept alive between scrapes, so keep one
+//! reading; nothing past the limit is read). HTTP/1.1, plain or with a pool's TLS
+//! settings (`access::Tls`), no proxy (the environment's `http_proxy` would otherwise
+//! apply), no redirects (a 3xx is an error), no compression (nothing asks for it). Connections are kept alive between scrapes, so keep one
 //! `Scraper` (or clones of it: they share the pool) rather than building one per round.
 
 use std::{net::SocketAddr, time::Duration};

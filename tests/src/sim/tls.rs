@@ -6,6 +6,7 @@ use std::io::BufReader;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::Router;
@@ -111,8 +112,12 @@ pub fn server_config(
     Ok(builder.with_single_cert(certs(cert)?, key(key_file)?)?)
 }
 
-/// Serves `router` over TLS, a task per connection: a failed handshake ends its connection
-/// only. Returns on a listener failure.
+/// Bound on a client's TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `router` over TLS, a task per connection: a failed or stalled handshake ends its
+/// connection only. Like `axum::serve`, it waits and goes on after a failed accept (out of
+/// file descriptors, a connection reset before it was accepted).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -120,10 +125,18 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let acceptor = TlsAcceptor::from(config);
     loop {
-        let (tcp, _) = listener.accept().await?;
+        let tcp = match listener.accept().await {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                eprintln!("accept: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
         let (acceptor, router) = (acceptor.clone(), router.clone());
         tokio::spawn(async move {
-            if let Ok(tls) = acceptor.accept(tcp).await {
+            let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+            if let Ok(Ok(tls)) = handshake {
                 let service = TowerToHyperService::new(router);
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tls), service)
