@@ -21,6 +21,10 @@
 //!   figure is read again after filling it with distinct flows, to show it does not grow.
 //! - The walk of that filled table that answers a drain status (`drain --wait` asks for one
 //!   at every poll): its time and its entries.
+//! - Health checks: the agent's CPU per round of checks of the 256 servers, every second,
+//!   over HTTP and over HTTPS (`[pool.tls]`: every check a new connection and a full
+//!   handshake, verified), scrapes once a minute; rounds counted by the completions
+//!   `bench-server` answered.
 //!
 //! `cargo bench -p balancer-tests --bench agent_cost [-- --quick]`, as root.
 
@@ -40,6 +44,7 @@ use balancer_tests::netns::{sweep_stale, temp_dir, Netns};
 use balancer_tests::process::{run, Process, STOP_GRACE};
 use balancer_tests::sim::client as sim_client;
 use balancer_tests::sim::launch::SimServer;
+use balancer_tests::sim::tls;
 
 const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
 const BENCH_SERVER: &str = env!("CARGO_BIN_EXE_bench-server");
@@ -54,6 +59,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 struct Plan {
     /// (interval, warm-up, window)
     intervals: [(Duration, Duration, Duration); 2],
+    /// Health checks every [`HEALTH_INTERVAL`]: (warm-up, window).
+    health: (Duration, Duration),
     /// Flow-table entries written before the second map-memory reading.
     fill: u32,
 }
@@ -72,9 +79,28 @@ struct Cost {
     stale: usize,
 }
 
+/// Health checks' figures, over HTTP or HTTPS.
+#[derive(Debug)]
+struct HealthCost {
+    https: bool,
+    cpu_ms_per_round: Option<f64>,
+    /// Rounds of checks done in the window, and due (window / interval).
+    rounds: f64,
+    due: f64,
+    /// Servers not UP at the end of the window.
+    down: usize,
+}
+
+/// How often the health phases check every server.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// The name the servers' certificate carries (`server_name`).
+const TLS_NAME: &str = "bench.internal";
+const TLS_PORT: u16 = 8443;
+
 /// What one run measured.
 struct Measured {
     costs: Vec<Cost>,
+    health: Vec<HealthCost>,
     maps: Vec<MapMem>,
     filled: Vec<MapMem>,
     /// The drain-status walk of the filled flow table.
@@ -117,6 +143,7 @@ fn main() -> Result<()> {
                 ),
             ],
             fill: 100_000,
+            health: (Duration::from_secs(1), Duration::from_secs(3)),
         }
     } else {
         Plan {
@@ -133,6 +160,7 @@ fn main() -> Result<()> {
                 ),
             ],
             fill: FLOW_ENTRIES,
+            health: (Duration::from_secs(3), Duration::from_secs(15)),
         }
     };
     balancer_tests::require_root()?;
@@ -183,15 +211,23 @@ fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Meas
         std::fs::write(&metrics_file, text)?;
     }
 
+    let pki = tls::Pki::new(&dir.join("pki"))?;
+    let (cert, key) = pki.issue("bench", &[TLS_NAME])?;
     let mut cmd = ns.command(BENCH_SERVER);
     for i in 0..SERVERS {
         for port in [8000, 8001] {
             cmd.arg("--listen")
                 .arg(SocketAddr::new(address(i).into(), port).to_string());
         }
+        cmd.arg("--tls-listen")
+            .arg(SocketAddr::new(address(i).into(), TLS_PORT).to_string());
     }
     cmd.args(["--name", "bench", "--metrics-file"])
-        .arg(&metrics_file);
+        .arg(&metrics_file)
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key);
     ns.spawn("bench-server", cmd, &dir.join("bench-server.log"))?
         .wait_for_line(0, READY_TIMEOUT, |l| l.contains("listening on"))?;
 
@@ -202,7 +238,10 @@ fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Meas
     for (k, &(interval, warmup, window)) in plan.intervals.iter().enumerate() {
         let socket = dir.join(format!("agent-{k}.sock"));
         let config = dir.join(format!("agent-{k}.toml"));
-        std::fs::write(&config, config_text(interval, &socket))?;
+        std::fs::write(
+            &config,
+            config_text(&socket, interval, Duration::from_secs(600), None),
+        )?;
         let mut cmd = ns.command(agent);
         cmd.args(["run", "--config"]).arg(&config);
         let log = dir.join(format!("agent-{k}.log"));
@@ -267,8 +306,62 @@ fn measure(ns: &mut Netns, dir: &Path, agent: &Path, plan: &Plan) -> Result<Meas
         outcome?;
         ensure!(status.success(), "the agent exited with {status}");
     }
+    let mut health = Vec::new();
+    for https in [false, true] {
+        let name = if https { "https" } else { "http" };
+        let socket = dir.join(format!("agent-health-{name}.sock"));
+        let config = dir.join(format!("agent-health-{name}.toml"));
+        let ca = https.then(|| pki.ca_file());
+        std::fs::write(
+            &config,
+            config_text(&socket, SCRAPE_ONCE, HEALTH_INTERVAL, ca.as_deref()),
+        )?;
+        let mut cmd = ns.command(agent);
+        cmd.args(["run", "--config"]).arg(&config);
+        let log = dir.join(format!("agent-health-{name}.log"));
+        let mut process = Process::spawn("balancer-agent", cmd, &log)?;
+        let (warmup, window) = plan.health;
+        let outcome = (|| -> Result<HealthCost> {
+            process.wait_for_line(0, READY_TIMEOUT, |l| l.contains("ready to take traffic"))?;
+            let pid = process.pid();
+            sleep(warmup);
+            let checks0 = stats(ns, "completions")?;
+            let cpu0 = cpu_seconds(pid)?;
+            let t0 = Instant::now();
+            sleep(window);
+            let cpu = cpu_seconds(pid)? - cpu0;
+            let wall = t0.elapsed();
+            let rounds = (stats(ns, "completions")? - checks0) as f64 / SERVERS as f64;
+            let mut down = 0;
+            for p in 0..POOLS {
+                let pool = show(agent, &socket, &format!("p{p}"))?;
+                down += pool.servers.iter().filter(|s| s.state != "UP").count();
+            }
+            let due = wall.as_secs_f64() / HEALTH_INTERVAL.as_secs_f64();
+            let cpu_ms_per_round = (rounds > 0.0).then(|| cpu * 1e3 / rounds);
+            eprintln!(
+                "health checks over {}: {} ms CPU per round of {SERVERS} over {rounds:.1} rounds ({due:.1} due), {down} not UP",
+                name.to_uppercase(),
+                fmt(cpu_ms_per_round, 1),
+            );
+            Ok(HealthCost {
+                https,
+                cpu_ms_per_round,
+                rounds,
+                due,
+                down,
+            })
+        })();
+        if outcome.is_err() {
+            eprintln!("agent log:\n{}", process.output());
+        }
+        let status = process.stop(STOP_GRACE)?;
+        health.push(outcome?);
+        ensure!(status.success(), "the agent exited with {status}");
+    }
     Ok(Measured {
         costs,
+        health,
         maps,
         filled,
         walk,
@@ -307,29 +400,47 @@ fn drain_walk(flows_id: u32, written: u32) -> Result<Walk> {
 
 /// The `/metrics` requests `bench-server` has answered so far.
 fn scrapes(ns: &Netns) -> Result<u64> {
+    stats(ns, "metrics_requests")
+}
+
+/// The count `key` (`metrics_requests`, `completions`) of `bench-server`'s `/stats`.
+fn stats(ns: &Netns, key: &str) -> Result<u64> {
     let addr = SocketAddr::new(address(0).into(), 8001);
     let reply = ns.enter(|| sim_client::get(addr, "/stats"))?;
-    reply.json()?["metrics_requests"]
+    reply.json()?[key]
         .as_u64()
         .with_context(|| format!("bench-server /stats: {}", reply.body))
 }
 
-fn config_text(interval: Duration, socket: &Path) -> String {
+/// The scrape interval of the health phases: one round at the start, none in the window.
+const SCRAPE_ONCE: Duration = Duration::from_secs(60);
+
+/// Scrapes every `interval`, health checks every `health`: over HTTPS on [`TLS_PORT`] with
+/// `ca`, else over HTTP.
+fn config_text(socket: &Path, interval: Duration, health: Duration, ca: Option<&Path>) -> String {
     let mut text = format!(
         "[agent]\ninterfaces = [\"a0\"]\ncontrol_socket = \"{}\"\nflow_table_entries = {FLOW_ENTRIES}\n\
-         scrape_interval_ms = {}\nhealth_interval_ms = 600000\n",
+         scrape_interval_ms = {}\nhealth_interval_ms = {}\n",
         socket.display(),
-        interval.as_millis()
+        interval.as_millis(),
+        health.as_millis()
     );
     let per_pool = SERVERS / POOLS;
+    let port = if ca.is_some() { TLS_PORT } else { 8000 };
     for p in 0..POOLS {
         text += &format!(
             "\n[[pool]]\nname = \"p{p}\"\nvip = \"192.0.2.{}\"\nport = 8000\ndialect = \"vllm\"\nmodel = \"bench-model\"\n",
             60 + p
         );
+        if let Some(ca) = ca {
+            text += &format!(
+                "[pool.tls]\nca_file = \"{}\"\nserver_name = \"{TLS_NAME}\"\n",
+                ca.display()
+            );
+        }
         for i in p * per_pool..(p + 1) * per_pool {
             text += &format!(
-                "[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+                "[[pool.server]]\naddress = \"{}\"\nport = {port}\nmetrics_port = 8001\n",
                 address(i)
             );
         }
@@ -464,6 +575,7 @@ fn mib(bytes: u64) -> f64 {
 fn report(quick: bool, plan: &Plan, measured: &Measured, took: Duration) -> Report {
     let Measured {
         costs,
+        health,
         maps,
         filled,
         walk,
@@ -521,6 +633,46 @@ fn report(quick: bool, plan: &Plan, measured: &Measured, took: Duration) -> Repo
             c.due,
             fmt(c.rss_mib, 1),
             c.stale
+        ));
+    }
+    md += &format!(
+        "\nHealth checks: the same servers checked every {} ms (a one-token completion each, \
+         all at once), scraped once a minute, over HTTP and then over HTTPS (`[pool.tls]`, \
+         TLS 1.3, the servers' one ECDSA P-256 certificate for `server_name`, verified: every \
+         check opens a new connection and makes a full handshake). CPU as above, over the \
+         check rounds done in the window (the completions `bench-server` answered, over \
+         {SERVERS}).\n\n| checks over | rounds in the window: done / due | CPU per round (ms) | \
+         CPU per check (us) | servers not UP at the end |\n|---|---:|---:|---:|---:|\n",
+        HEALTH_INTERVAL.as_millis()
+    );
+    for h in health {
+        let (label, key) = if h.https {
+            ("HTTPS", "health_https")
+        } else {
+            ("HTTP", "health_http")
+        };
+        let per_check = h.cpu_ms_per_round.map(|ms| ms * 1e3 / SERVERS as f64);
+        md += &format!(
+            "| {label} | {:.1} / {:.1} | {} | {} | {} |\n",
+            h.rounds,
+            h.due,
+            fmt(h.cpu_ms_per_round, 1),
+            fmt(per_check, 0),
+            h.down
+        );
+        out.figures
+            .insert(format!("{key}.cpu_ms_per_round"), h.cpu_ms_per_round);
+        out.figures
+            .insert(format!("{key}.rounds_done"), Some(h.rounds));
+        out.figures
+            .insert(format!("{key}.down"), Some(h.down as f64));
+        out.summary.push(format!(
+            "agent    health checks of {SERVERS} servers over {label:<5}: {:>6} ms CPU per round ({} us per check), {:.1}/{:.1} rounds done/due, {} not UP",
+            fmt(h.cpu_ms_per_round, 1),
+            fmt(per_check, 0),
+            h.rounds,
+            h.due,
+            h.down
         ));
     }
     let flows = maps

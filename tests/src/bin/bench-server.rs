@@ -9,8 +9,12 @@
 //!   dialect of an idle server).
 //! - `GET /v1/models`, `POST /v1/completions`: a model and a one-token answer, for the
 //!   agent's health checks.
-//! - `GET /stats`: how many `/metrics` requests this process has answered, on all its
-//!   addresses (the agent-cost benchmark counts scrapes with it).
+//! - `GET /stats`: how many `/metrics` and `/v1/completions` requests this process has
+//!   answered, on all its addresses (the agent-cost benchmark counts scrapes and health
+//!   checks with it).
+//!
+//! The same routes over HTTPS on the `--tls-listen` addresses, with `--tls-cert` and
+//! `--tls-key`.
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
@@ -25,6 +29,7 @@ use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use balancer_tests::sim::tls;
 use clap::Parser;
 use futures_util::stream;
 use serde::Deserialize;
@@ -48,6 +53,15 @@ struct Args {
     /// File whose text `GET /metrics` serves.
     #[arg(long)]
     metrics_file: Option<PathBuf>,
+    /// Address and port to serve HTTPS on; repeat for several.
+    #[arg(long = "tls-listen", requires = "tls_cert")]
+    tls_listen: Vec<SocketAddr>,
+    /// The HTTPS listeners' certificate (PEM).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 struct App {
@@ -55,6 +69,7 @@ struct App {
     metrics: Bytes,
     chunk: Bytes,
     scrapes: AtomicU64,
+    completions: AtomicU64,
 }
 
 #[derive(Deserialize)]
@@ -77,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
         metrics: Bytes::from(metrics),
         chunk: Bytes::from(vec![b'x'; CHUNK]),
         scrapes: AtomicU64::new(0),
+        completions: AtomicU64::new(0),
     });
     let router = Router::new()
         .route("/", get(identity))
@@ -85,7 +101,13 @@ async fn main() -> anyhow::Result<()> {
         .route("/health", get(|| async { "ok\n" }))
         .route("/stats", get(stats))
         .route("/v1/models", get(models))
-        .route("/v1/completions", post(completion))
+        .route(
+            "/v1/completions",
+            post(|State(app): State<Arc<App>>| async move {
+                app.completions.fetch_add(1, Ordering::Relaxed);
+                completion()
+            }),
+        )
         .with_state(app)
         .layer(axum::middleware::map_response(
             move |mut response: Response| {
@@ -96,17 +118,27 @@ async fn main() -> anyhow::Result<()> {
                 }
             },
         ));
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(
+            tls::server_config(cert, key, None).context("--tls-cert")?,
+        )),
+        _ => None,
+    };
     let mut listeners = Vec::new();
-    for addr in &args.listen {
+    let plain = args.listen.iter().map(|a| (a, None));
+    for (addr, tls) in plain.chain(args.tls_listen.iter().map(|a| (a, tls.clone()))) {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
-        listeners.push(listener);
+        listeners.push((listener, tls));
     }
     eprintln!("listening on {} addresses", listeners.len());
     let mut servers = JoinSet::new();
-    for listener in listeners {
-        servers.spawn(axum::serve(listener, router.clone()).into_future());
+    for (listener, tls) in listeners {
+        match tls {
+            Some(config) => servers.spawn(tls::serve(listener, router.clone(), config)),
+            None => servers.spawn(axum::serve(listener, router.clone()).into_future()),
+        };
     }
     if let Some(result) = servers.join_next().await {
         result?.context("serving")?;
@@ -120,8 +152,9 @@ async fn identity(State(app): State<Arc<App>>) -> String {
 
 async fn stats(State(app): State<Arc<App>>) -> String {
     format!(
-        "{{\"metrics_requests\":{}}}\n",
-        app.scrapes.load(Ordering::Relaxed)
+        "{{\"metrics_requests\":{},\"completions\":{}}}\n",
+        app.scrapes.load(Ordering::Relaxed),
+        app.completions.load(Ordering::Relaxed)
     )
 }
 
@@ -162,7 +195,7 @@ async fn models() -> Response {
     json(r#"{"object":"list","data":[{"id":"bench-model","object":"model","owned_by":"bench"}]}"#)
 }
 
-async fn completion() -> Response {
+fn completion() -> Response {
     json(
         r#"{"id":"cmpl-bench","object":"text_completion","model":"bench-model","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#,
     )
