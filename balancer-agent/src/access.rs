@@ -505,28 +505,21 @@ mod tests {
         assert!(e.contains("reading") && e.contains("missing.pem"), "{e}");
         let e = load(settings(&ca, "empty.pem")).unwrap_err();
         assert!(e.contains("empty.pem holds no PEM certificate"), "{e}");
-        // A key file where the certificate should be: no certificate in it.
-        let e = load(PoolTls {
-            cert_file: Some(key_file.clone()),
-            key_file: Some(key_file.clone()),
-            ..settings(&ca, "ca.pem")
-        })
-        .unwrap_err();
-        assert!(e.contains("agent.key holds no PEM certificate"), "{e}");
-        let e = load(PoolTls {
-            cert_file: Some(cert_file.clone()),
-            key_file: Some(cert_file.clone()),
-            ..settings(&ca, "ca.pem")
-        })
-        .unwrap_err();
-        assert!(e.contains("agent.pem holds no PEM private key"), "{e}");
-        let e = load(PoolTls {
-            cert_file: Some(cert_file.clone()),
-            key_file: Some(dir.path().join("missing.key")),
-            ..settings(&ca, "ca.pem")
-        })
-        .unwrap_err();
-        assert!(e.contains("reading") && e.contains("missing.key"), "{e}");
+        // The files swapped: no certificate in the key's, no key in the certificate's.
+        let missing = dir.path().join("missing.key");
+        for (cert, key, problem) in [
+            (&key_file, &key_file, "agent.key holds no PEM certificate"),
+            (&cert_file, &cert_file, "agent.pem holds no PEM private key"),
+            (&cert_file, &missing, "missing.key: No such file"),
+        ] {
+            let e = load(PoolTls {
+                cert_file: Some(cert.clone()),
+                key_file: Some(key.clone()),
+                ..settings(&ca, "ca.pem")
+            })
+            .unwrap_err();
+            assert!(e.contains(problem), "{e}");
+        }
     }
 
     #[test]

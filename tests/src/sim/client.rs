@@ -59,8 +59,18 @@ pub fn request_from(
     path: &str,
     body: Option<&str>,
 ) -> Result<Reply> {
-    let mut stream = connect(addr, src_port)?;
-    send(&mut stream, method, path, body)?;
+    exchange(connect(addr, src_port)?, "sim", method, path, body)
+}
+
+/// Sends `method path` (with `host`) on `stream` and reads the whole response.
+pub(crate) fn exchange(
+    mut stream: impl Read + Write + Send + 'static,
+    host: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<Reply> {
+    crate::client::send(&mut stream, host, method, path, body)?;
     let mut reader = BufReader::new(stream);
     let head = Head::read(&mut reader)?;
     let body = head

@@ -2,7 +2,6 @@
 //! `--ssl-ca-certs` (client certificates required): the server side, a blocking client for
 //! requests through the balancer, and a certificate authority made for the test (rcgen).
 
-use std::io::BufReader;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,8 +22,7 @@ use rustls::{
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use super::client::{connect, Reply};
-use crate::client::{send, Head};
+use super::client::{connect, exchange, Reply};
 
 /// A certificate authority in a directory: its certificate in `ca.pem`, and the
 /// certificates it issues beside it.
@@ -170,12 +168,6 @@ pub fn request_from(
 ) -> Result<Reply> {
     let name = ServerName::try_from(server_name.to_owned())?;
     let tls = ClientConnection::new(config, name)?;
-    let mut stream = StreamOwned::new(tls, connect(addr, src_port)?);
-    send(&mut stream, server_name, method, path, body)?;
-    let mut reader = BufReader::new(stream);
-    let head = Head::read(&mut reader)?;
-    let body = head
-        .body_text(reader)
-        .with_context(|| format!("reading the body of {method} {path}"))?;
-    Ok(Reply { head, body })
+    let stream = StreamOwned::new(tls, connect(addr, src_port)?);
+    exchange(stream, server_name, method, path, body)
 }
