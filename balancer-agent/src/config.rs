@@ -119,7 +119,9 @@ pub struct Agent {
     pub xdp_mode: XdpMode,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
     /// Native, or generic where the driver has no XDP support.
@@ -148,6 +150,10 @@ pub struct Pool {
     /// the pool's open connections.
     #[serde(default)]
     pub forwarding: Forwarding,
+    /// With `forwarding = "tunnel"`: the outer header's source, an address of this gateway
+    /// that the servers route back to and take tunnelled packets from.
+    #[serde(default)]
+    pub tunnel_source: Option<IpAddr>,
     /// A connection idle for longer than this loses its backend.
     #[serde(default = "default_idle_timeout_s")]
     pub idle_timeout_s: u32,
@@ -221,6 +227,28 @@ pub enum Forwarding {
     /// gateway, holds the VIP on a loopback, listens on the VIP's port and answers the client
     /// itself.
     Dsr,
+    /// Direct server return through a tunnel: unchanged inside an outer IPv4 (IPIP) or IPv6
+    /// (IP6IP6) header from `tunnel_source` to the server, which may be routers away. The
+    /// server takes the header off, holds the VIP, listens on the VIP's port and answers the
+    /// client itself.
+    Tunnel,
+}
+
+impl Forwarding {
+    /// The servers answer the clients themselves: nothing of theirs comes back through the
+    /// gateway, and the client's FIN is the end of a connection there is to see.
+    pub fn direct(self) -> bool {
+        self != Forwarding::Nat
+    }
+
+    /// As the configuration spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Forwarding::Nat => "nat",
+            Forwarding::Dsr => "dsr",
+            Forwarding::Tunnel => "tunnel",
+        }
+    }
 }
 
 impl Pool {
@@ -646,6 +674,41 @@ impl Config {
             if let Some(tls) = &p.tls {
                 validate_tls(tls).map_err(|(k, e)| (at(&format!("tls.{k}")), e))?;
             }
+            match (p.forwarding, p.tunnel_source) {
+                (Forwarding::Tunnel, None) => {
+                    return Err((
+                        at("tunnel_source"),
+                        "is required with forwarding = \"tunnel\": the outer header's source, \
+                         an address of this gateway"
+                            .into(),
+                    ))
+                }
+                (Forwarding::Tunnel, Some(a)) if a.is_ipv4() != p.vip.is_ipv4() => {
+                    return Err((
+                        at("tunnel_source"),
+                        format!(
+                            "{a} is not of the VIP's family ({}): the outer header is of the \
+                             client's packet's family (IPIP, IP6IP6)",
+                            p.vip
+                        ),
+                    ))
+                }
+                (Forwarding::Tunnel, Some(a)) => {
+                    if let Some(problem) = unroutable(a) {
+                        return Err((
+                            at("tunnel_source"),
+                            format!("{a} cannot be a tunnel's source: {problem}"),
+                        ));
+                    }
+                }
+                (_, Some(_)) => {
+                    return Err((
+                        at("tunnel_source"),
+                        "is only for forwarding = \"tunnel\"".into(),
+                    ))
+                }
+                (_, None) => {}
+            }
             parse_hint_range(&p.hint_ports, p.hint_buckets).map_err(|e| (at("hint_ports"), e))?;
             let bound = p.home_load_bound;
             if bound != 0.0 && !(1.0..=100.0).contains(&bound) {
@@ -678,13 +741,14 @@ impl Config {
                 if s.port == 0 {
                     return Err((at("port"), "must be 1-65535".into()));
                 }
-                if p.forwarding == Forwarding::Dsr && s.port != p.port {
+                if p.forwarding.direct() && s.port != p.port {
                     return Err((
                         at("port"),
                         format!(
-                            "must be the pool's port {} with forwarding = \"dsr\": the server \
+                            "must be the pool's port {} with forwarding = \"{}\": the server \
                              receives the client's packets unchanged",
-                            p.port
+                            p.port,
+                            p.forwarding.name()
                         ),
                     ));
                 }
@@ -700,7 +764,7 @@ impl Config {
                         format!("{}:{} is listed twice in this pool", s.address, s.port),
                     ));
                 }
-                // DSR pools have no replies to tell apart.
+                // DSR and tunnel pools have no replies to tell apart.
                 let pools = in_pools.entry((s.address, s.port)).or_insert(0);
                 *pools += usize::from(p.forwarding == Forwarding::Nat);
                 if *pools > MAX_REPLY_VIPS {
@@ -1167,10 +1231,61 @@ metrics_port = 8001
         );
         let nat = moved.replacen("forwarding = \"dsr\"", "forwarding = \"nat\"", 1);
         assert!(parse(&nat).is_ok());
-        let other = dsr.replacen("\"dsr\"", "\"tunnel\"", 1);
+        let other = dsr.replacen("\"dsr\"", "\"ipvs\"", 1);
         assert!(parse(&other)
             .unwrap_err()
-            .contains("unknown variant `tunnel`"));
+            .contains("unknown variant `ipvs`"));
+    }
+
+    #[test]
+    fn tunnel_needs_a_source_of_the_vips_family_and_keeps_the_port() {
+        let tunnel = |extra: &str| {
+            GOOD.replacen(
+                "port = 8000\n",
+                &format!("port = 8000\nforwarding = \"tunnel\"\n{extra}"),
+                1,
+            )
+        };
+        let good = parse(&tunnel("tunnel_source = \"10.4.0.1\"\n")).unwrap();
+        assert_eq!(good.pool[0].forwarding, Forwarding::Tunnel);
+        assert_eq!(
+            good.pool[0].tunnel_source,
+            Some("10.4.0.1".parse().unwrap())
+        );
+        for (extra, says) in [
+            (
+                "",
+                "pool[0].tunnel_source`: is required with forwarding = \"tunnel\"",
+            ),
+            (
+                "tunnel_source = \"fd00::1\"\n",
+                "fd00::1 is not of the VIP's family",
+            ),
+            (
+                "tunnel_source = \"0.0.0.0\"\n",
+                "0.0.0.0 cannot be a tunnel's source",
+            ),
+        ] {
+            let err = parse(&tunnel(extra)).unwrap_err();
+            assert!(err.contains(says), "{extra:?}: {err}");
+        }
+        let nat = GOOD.replacen(
+            "port = 8000\n",
+            "port = 8000\ntunnel_source = \"10.4.0.1\"\n",
+            1,
+        );
+        let err = parse(&nat).unwrap_err();
+        assert!(err.contains("is only for forwarding = \"tunnel\""), "{err}");
+        let moved = tunnel("tunnel_source = \"10.4.0.1\"\n").replacen(
+            "address = \"10.4.0.12\"\nport = 8000",
+            "address = \"10.4.0.12\"\nport = 9000",
+            1,
+        );
+        let err = parse(&moved).unwrap_err();
+        assert!(
+            err.contains("must be the pool's port 8000 with forwarding = \"tunnel\""),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1220,6 +1335,7 @@ metrics_port = 8001
             "vip",
             "port",
             "forwarding",
+            "tunnel_source",
             "idle_timeout_s",
             "spill_waiting",
             "spill_ttft_ms",

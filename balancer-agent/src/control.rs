@@ -344,6 +344,7 @@ pub fn render(view: &PoolView) -> String {
     let mode = match view.forwarding {
         Forwarding::Nat => "",
         Forwarding::Dsr => ", direct server return",
+        Forwarding::Tunnel => ", direct server return through a tunnel",
     };
     let mut out = format!(
         "pool {} (VIP {}{mode})\n{}",

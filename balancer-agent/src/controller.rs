@@ -204,8 +204,9 @@ pub struct HealthTarget {
     pub api_key: Option<ApiKey>,
     /// The pool's `[pool.tls]`, loaded.
     pub tls: Option<Tls>,
-    /// In a pool with direct server return: the server must be on a link of the gateway.
-    pub direct: bool,
+    /// In a pool with direct server return (`dsr` or `tunnel`): the way the gateway routes
+    /// to the server must suit it (`Routes::direct`).
+    pub direct: Option<Forwarding>,
 }
 
 pub struct Controller {
@@ -834,12 +835,12 @@ impl Controller {
     }
 
     pub fn health_targets(&self) -> Vec<HealthTarget> {
-        let dsr: HashSet<&str> = self
+        let direct: HashMap<&str, Forwarding> = self
             .config
             .pool
             .iter()
-            .filter(|p| p.forwarding == Forwarding::Dsr)
-            .map(|p| p.name.as_str())
+            .filter(|p| p.forwarding.direct())
+            .map(|p| (p.name.as_str(), p.forwarding))
             .collect();
         self.servers
             .iter()
@@ -850,7 +851,7 @@ impl Controller {
                     model: s.model.clone(),
                     api_key,
                     tls,
-                    direct: dsr.contains(key.0.as_str()),
+                    direct: direct.get(key.0.as_str()).copied(),
                 }
             })
             .collect()
@@ -1015,12 +1016,12 @@ impl Controller {
         // counts as closed; a request it waits on shows in the server's own counts. So too
         // on a DOWN server: one whose host died answers no FIN, and a client's FIN only
         // half-closes, so its connections would count until their idle timeout.
-        let dsr = self
+        let direct = self
             .config
             .pool
             .iter()
-            .any(|p| p.name == key.0 && p.forwarding == Forwarding::Dsr);
-        let quiet_ends = dsr || s.track.down;
+            .any(|p| p.name == key.0 && p.forwarding.direct());
+        let quiet_ends = direct || s.track.down;
         let scraped_since = match (s.drain_started, s.reading_at) {
             (Some(start), Some(at)) => at >= start,
             _ => false,

@@ -31,7 +31,7 @@ use balancer_common::{
     bucket_slot, hint::HintRange, sync_epoch, Allowance, Backend, BackendLoad, BackendStats,
     Bucket, BucketStats, Counter, FlowEntry, FlowKey, Limit, NextHop, Replies, ReplyKey, VipInfo,
     VipKey, ALTERNATES_SIZE, ALTERNATES_SLOTS, BACKEND_F_RETIRED, BUCKET_SLOTS, FLOW_ACKED,
-    LOAD_F_HELD, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC,
+    LOAD_F_HELD, MAGLEV_SIZE, MAGLEV_TABLES, MAX_BACKENDS, VIP_F_DSR, VIP_F_SYNC, VIP_F_TUNNEL,
 };
 use tracing::{info, warn};
 
@@ -457,7 +457,17 @@ impl Dataplane {
                 hint_span: hint.span,
                 hint_buckets: hint.buckets,
                 flags: if vip.shared { VIP_F_SYNC } else { 0 }
-                    | if vip.dsr { VIP_F_DSR } else { 0 },
+                    | match vip.forwarding {
+                        config::Forwarding::Nat => 0,
+                        config::Forwarding::Dsr => VIP_F_DSR,
+                        config::Forwarding::Tunnel => VIP_F_DSR | VIP_F_TUNNEL,
+                    },
+                tunnel_src: vip.tunnel_src,
+                tunnel_mask: if vip.forwarding == config::Forwarding::Tunnel {
+                    u32::MAX
+                } else {
+                    0
+                },
             };
             if installed != Some((vip.key, info)) {
                 self.vips

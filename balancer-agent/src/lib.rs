@@ -5,6 +5,7 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod dataplane;
+pub mod decap;
 pub mod dialect;
 pub mod exporter;
 pub mod health;

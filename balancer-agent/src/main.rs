@@ -7,7 +7,7 @@ use std::{
 
 use anyhow::{bail, Result};
 use balancer_agent::{
-    config::{Config, Forwarding, DEFAULT_CONTROL_SOCKET},
+    config::{Config, Forwarding, XdpMode, DEFAULT_CONTROL_SOCKET},
     control::{
         answer_wait, call, render, render_buckets, render_interfaces, render_peers, Request,
         Response,
@@ -181,6 +181,21 @@ enum Command {
         #[arg(long, default_value = DEFAULT_CONTROL_SOCKET)]
         socket: PathBuf,
     },
+    /// On a server of a `forwarding = "tunnel"` pool: take the gateways' outer header off
+    /// in XDP, on these interfaces, until SIGINT or SIGTERM (then detach and print the
+    /// counters). The server also needs the VIP on a loopback (docs/operations.md).
+    Decap {
+        /// An interface the tunnelled packets arrive on (repeat for several).
+        #[arg(long = "interface", required = true, value_name = "NAME")]
+        interfaces: Vec<String>,
+        /// A gateway's `tunnel_source` to take packets from (repeat for several); tunnelled
+        /// packets from any other address pass untouched.
+        #[arg(long = "gateway", required = true, value_name = "ADDRESS")]
+        gateways: Vec<std::net::IpAddr>,
+        /// As `agent.xdp_mode`: native, else generic with a warning (`auto`), or only one.
+        #[arg(long, value_enum, default_value = "auto")]
+        xdp_mode: XdpMode,
+    },
     /// The data path's counters: every verdict and every pass or drop reason.
     Counters {
         /// Machine-readable output.
@@ -293,6 +308,14 @@ fn execute(command: Command) -> Result<()> {
             );
             Ok(())
         }
+        Command::Decap {
+            interfaces,
+            gateways,
+            xdp_mode,
+        } => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(balancer_agent::decap::run(&interfaces, &gateways, xdp_mode)),
         Command::Check { config } => {
             let c = Config::load(&config)?;
             // What `run` would fail on, without starting.
@@ -567,6 +590,7 @@ fn pools(c: &Config) -> String {
         let dsr = match p.forwarding {
             Forwarding::Nat => "",
             Forwarding::Dsr => ", direct server return",
+            Forwarding::Tunnel => ", direct server return through a tunnel",
         };
         let https = match &p.tls {
             Some(_) => ", checked and scraped over HTTPS",

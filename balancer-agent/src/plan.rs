@@ -37,8 +37,10 @@ pub struct VipPlan {
     pub hint: Option<HintRange>,
     /// Its flows are shared with other gateways (`[sync]`).
     pub shared: bool,
-    /// Direct server return: packets go to the backends unchanged and no reply comes back.
-    pub dsr: bool,
+    /// How packets reach the backends; with DSR and tunnels no reply comes back.
+    pub forwarding: Forwarding,
+    /// A tunnel's outer source (`Pool::tunnel_source`), as the program spells addresses.
+    pub tunnel_src: [u32; 4],
 }
 
 /// What the maps should hold.
@@ -301,7 +303,8 @@ impl Ids {
                 members: members.iter().map(|(id, _, addr)| (*addr, *id)).collect(),
                 hint: pool.hint_range(),
                 shared: config.sync.is_some(),
-                dsr: pool.forwarding == Forwarding::Dsr,
+                forwarding: pool.forwarding,
+                tunnel_src: pool.tunnel_source.map_or([0; 4], |a| addr_words(a).0),
             });
         }
         for (key, id) in &self.backends {
@@ -387,10 +390,11 @@ fn reply_key(address: IpAddr, port: u16) -> ReplyKey {
 /// pools it left recently (still configured VIPs only). A server may be in at most
 /// `MAX_REPLY_VIPS` pools (the configuration checks it); past that, recently left pools are
 /// the ones dropped, their last flows' replies then pass to the stack untranslated. DSR
-/// pools have no replies here: their servers answer from the VIP, to the client directly.
+/// and tunnel pools have no replies here: their servers answer from the VIP, to the client
+/// directly.
 fn replies(vips: &[VipPlan], quarantine: &[Quarantined]) -> Vec<(ReplyKey, Replies)> {
     let mut by_addr: Vec<(ReplyKey, Vec<VipKey>)> = Vec::new();
-    let translated = || vips.iter().filter(|v| !v.dsr);
+    let translated = || vips.iter().filter(|v| !v.forwarding.direct());
     let current = translated().flat_map(|v| {
         v.members
             .iter()
@@ -589,14 +593,28 @@ mod tests {
             [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
             [[pool]]\nname=\"dsr\"\nvip=\"192.0.2.61\"\nport=8000\nforwarding=\"dsr\"\n\
             [[pool.server]]\naddress=\"10.4.0.11\"\nport=8000\nmetrics_port=8001\n\
-            [[pool.server]]\naddress=\"10.4.0.12\"\nport=8000\nmetrics_port=8001\n";
+            [[pool.server]]\naddress=\"10.4.0.12\"\nport=8000\nmetrics_port=8001\n\
+            [[pool]]\nname=\"tunnel\"\nvip=\"192.0.2.62\"\nport=8000\nforwarding=\"tunnel\"\n\
+            tunnel_source=\"10.4.0.1\"\n\
+            [[pool.server]]\naddress=\"10.4.0.12\"\nport=8000\nmetrics_port=8001\n\
+            [[pool.server]]\naddress=\"10.5.0.14\"\nport=8000\nmetrics_port=8001\n";
         let c = Config::parse(Path::new("t.toml"), text).unwrap();
         let mut ids = Ids::default();
         let now = Instant::now();
         let plan = ids.plan(&c, &Weights::new(), now).unwrap();
         assert_eq!(
-            plan.vips.iter().map(|v| v.dsr).collect::<Vec<_>>(),
-            [false, true]
+            plan.vips
+                .iter()
+                .map(|v| (v.forwarding, v.tunnel_src))
+                .collect::<Vec<_>>(),
+            [
+                (Forwarding::Nat, [0; 4]),
+                (Forwarding::Dsr, [0; 4]),
+                (
+                    Forwarding::Tunnel,
+                    [u32::from_ne_bytes([10, 4, 0, 1]), 0, 0, 0]
+                ),
+            ]
         );
         assert_eq!(reply_vips(&plan, 11), vec![plan.vips[0].key]);
         assert!(reply_vips(&plan, 12).is_empty());

@@ -60,10 +60,16 @@ impl Routes {
         Ok(Routes { handle })
     }
 
-    /// Ok when the FIB's next hop for TCP to `server` is the server itself on a link (on every
-    /// path, if the route has several) of the `attached` interfaces; a [`NotDirect`] error
-    /// when it is not, any other when the kernel could not be asked.
-    pub async fn direct(&self, server: SocketAddr, attached: &[String]) -> Result<()> {
+    /// Ok when the FIB's route for TCP to `server` leaves by the `attached` interfaces (on
+    /// every path, if the route has several) and, with `on_link` (DSR), has the server itself
+    /// as next hop; a [`NotDirect`] error when it does not, any other when the kernel could
+    /// not be asked. A tunnel's outer packets may go through routers.
+    pub async fn direct(
+        &self,
+        server: SocketAddr,
+        attached: &[String],
+        on_link: bool,
+    ) -> Result<()> {
         let to = server.ip();
         let prefix = if to.is_ipv4() { 32 } else { 128 };
         let mut request = RouteMessageBuilder::<IpAddr>::new()
@@ -86,13 +92,18 @@ impl Routes {
             }
             Err(e) => return Err(e).with_context(|| format!("asking the route to {to}")),
         };
-        verdict(to, &answer, attached).map_err(Into::into)
+        verdict(to, &answer, attached, on_link).map_err(Into::into)
     }
 }
 
 /// What the FIB's answer for `to` means for direct server return from the `attached`
-/// interfaces.
-fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(), NotDirect> {
+/// interfaces, `on_link` (DSR) or through a tunnel.
+fn verdict(
+    to: IpAddr,
+    answer: &RouteMessage,
+    attached: &[String],
+    on_link: bool,
+) -> Result<(), NotDirect> {
     match answer.header.kind {
         RouteType::Unicast => {}
         RouteType::Local => return Err(NotDirect::Local { to }),
@@ -129,7 +140,7 @@ fn verdict(to: IpAddr, answer: &RouteMessage, attached: &[String]) -> Result<(),
         }
     }
     let devs: Vec<String> = oifs.into_iter().filter_map(interface_name).collect();
-    if let Some(router) = router {
+    if let (Some(router), true) = (router, on_link) {
         return Err(NotDirect::Routed {
             to,
             router,
@@ -249,7 +260,10 @@ mod tests {
                 answer(
                     RouteType::Unicast,
                     vec![
-                        RouteAttribute::MultiPath(vec![RouteNextHop::default(), through(gw4)]),
+                        RouteAttribute::MultiPath(vec![
+                            RouteNextHop::default(),
+                            through(gw4.clone()),
+                        ]),
                         lo.clone(),
                     ],
                 ),
@@ -282,8 +296,28 @@ mod tests {
             ),
         ];
         for (what, to, answer, want) in cases {
-            assert_eq!(verdict(to, &answer, &["lo".into()]), want, "{what}");
+            assert_eq!(verdict(to, &answer, &["lo".into()], true), want, "{what}");
+            // A tunnel's outer packets may take a router; nothing else changes.
+            let tunnel = match want {
+                Err(NotDirect::Routed { .. }) => Ok(()),
+                other => other,
+            };
+            assert_eq!(
+                verdict(to, &answer, &["lo".into()], false),
+                tunnel,
+                "{what}, tunnel"
+            );
         }
+        // Through a router out of an interface the program is not attached to.
+        let mut routed = answer(RouteType::Unicast, vec![RouteAttribute::Oif(1)]);
+        routed.attributes.push(RouteAttribute::Gateway(gw4.clone()));
+        assert_eq!(
+            verdict(v4, &routed, &["eth0".into()], false),
+            Err(NotDirect::Unattached {
+                to: v4,
+                dev: "lo".into()
+            })
+        );
         // Interface 1 is the loopback in every namespace.
         let on_lo = answer(RouteType::Unicast, vec![RouteAttribute::Oif(1)]);
         let mut leg_on_lo = RouteNextHop::default();
@@ -296,9 +330,9 @@ mod tests {
             ])],
         );
         for (what, answer) in [("on a link", on_lo), ("one of several paths", paths)] {
-            assert_eq!(verdict(v4, &answer, &["lo".into()]), Ok(()), "{what}");
+            assert_eq!(verdict(v4, &answer, &["lo".into()], true), Ok(()), "{what}");
             assert_eq!(
-                verdict(v4, &answer, &["eth0".into()]),
+                verdict(v4, &answer, &["eth0".into()], true),
                 Err(NotDirect::Unattached {
                     to: v4,
                     dev: "lo".into()

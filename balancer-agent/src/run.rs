@@ -554,11 +554,13 @@ async fn health_loop(ctl: Shared, routes: Routes) {
                 let api = t.key.1;
                 let limit = Duration::from_millis(timeout_ms);
                 let result = async {
-                    if t.direct {
-                        match routes.direct(api, attached).await {
+                    if let Some(how) = t.direct {
+                        let on_link = how == crate::config::Forwarding::Dsr;
+                        match routes.direct(api, attached, on_link).await {
                             Err(e) if e.is::<NotDirect>() => return Err(e),
                             // Our failure, not the server's: the program still
-                            // refuses a router (`drop_dsr_routed`).
+                            // refuses what does not suit (`drop_dsr_routed`,
+                            // `drop_dsr_egress`, `drop_tunnel_egress`).
                             Err(e) => warn!(
                                 server = %api,
                                 "checking without its route, which the kernel did not give: {e:#}"

@@ -39,7 +39,7 @@ pub const ALTERNATES_SLOTS: u32 = MAX_VIPS * ALTERNATES_SIZE;
 pub const DEFAULT_FLOW_ENTRIES: u32 = 1 << 18;
 /// The meaning of the maps an agent pins (`agent.pin_dir`): bumped whenever a pinned map's
 /// layout or meaning changes, so that an agent never takes over maps it would misread.
-pub const PIN_LAYOUT: u32 = 1;
+pub const PIN_LAYOUT: u32 = 2;
 /// Default idle timeout of a flow.
 pub const DEFAULT_IDLE_TIMEOUT_S: u32 = 600;
 
@@ -105,6 +105,13 @@ pub struct VipInfo {
     pub hint_buckets: u16,
     /// `VIP_F_*` bits.
     pub flags: u16,
+    /// With `VIP_F_TUNNEL`, the source address of the outer header: an address of this
+    /// gateway that the backends route back to (their ICMP errors about the tunnel come
+    /// here) and accept tunnelled packets from.
+    pub tunnel_src: [u32; 4],
+    /// All ones with `VIP_F_TUNNEL`, else zero: the program selects a tunnel's values with
+    /// it by arithmetic (see the program's `nat::Outer`).
+    pub tunnel_mask: u32,
 }
 
 /// The agent shares this VIP's flows with other gateways (`[sync]`): the program reports
@@ -117,6 +124,26 @@ pub const VIP_F_SYNC: u16 = 1;
 /// link of this gateway, hold the VIP on a loopback and listen on the VIP's port. It answers
 /// the client directly: its replies never come back through here.
 pub const VIP_F_DSR: u16 = 2;
+
+/// Direct server return through a tunnel, always with `VIP_F_DSR`: the program leaves the
+/// client's packet as it is (but for its TTL) and puts it inside an outer IPv4 (IPIP) or
+/// IPv6 (IP6IP6) header from `tunnel_src` to the backend, which may be any number of routers
+/// away. The backend takes the outer header off, holds the VIP and listens on the VIP's
+/// port, and answers the client directly.
+pub const VIP_F_TUNNEL: u16 = 4;
+
+/// IP protocol numbers of the outer header's payload: IPv4 in IPv4 (RFC 2003), IPv6 in
+/// IPv6 (RFC 2473).
+pub const IPPROTO_IPIP: u8 = 4;
+pub const IPPROTO_IPV6: u8 = 41;
+
+/// The flow label of a tunnelled IPv6 packet's outer header (RFC 6438): one per connection
+/// (its client's port and address, as the packet carries them), so that routers that spread
+/// flows over paths by the label spread the tunnel's, whose outer addresses are all alike.
+#[inline(always)]
+pub fn tunnel_flow_label(key: &FlowKey) -> u32 {
+    (u32::from(key.sport) << 4 ^ key.src[3]) & 0xf_ffff
+}
 
 /// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that
 /// already hold the prefix; 0 marks an empty place.
@@ -579,6 +606,26 @@ pub enum Counter {
     /// gateway and the flow's backend: its quote translated back to what the client sent
     /// (to the VIP), then to the stack, which routes it on to the client.
     IcmpToClient,
+    /// A packet for a tunnel VIP (`VIP_F_TUNNEL`) sent to its backend inside an outer header.
+    Encapsulated,
+    /// A packet for a tunnel VIP whose next hop's MAC is not known yet: as for DSR, the
+    /// stack cannot take it (it is addressed to the VIP), and the agent's checks and scrapes
+    /// keep the next hop resolved.
+    DropTunnelNoNeigh,
+    /// A packet for a tunnel VIP longer, with the outer header, than the MTU towards the
+    /// backend, that may be fragmented (IPv4 without don't-fragment); others are answered
+    /// (`TooBigAnswered`) with the MTU less the outer header.
+    DropTunnelTooBig,
+    /// A packet for a tunnel VIP for which the FIB gave no forwarding answer.
+    DropTunnelFibOther,
+    /// A VLAN-tagged packet for a tunnel VIP: XDP cannot transmit on a VLAN device.
+    DropTunnelVlan,
+    /// A packet for a tunnel VIP whose next hop is out of an interface the program is not
+    /// attached to.
+    DropTunnelEgress,
+    /// A packet for a tunnel VIP that the driver left no room in front of for the outer
+    /// header.
+    DropTunnelHeadroom,
 }
 
 /// Slots of the counters map: room for counters to come, so that a new one does not change
@@ -587,7 +634,7 @@ pub const COUNTER_SLOTS: u32 = 64;
 const _: () = assert!(Counter::COUNT <= COUNTER_SLOTS);
 
 impl Counter {
-    pub const COUNT: u32 = Counter::IcmpToClient as u32 + 1;
+    pub const COUNT: u32 = Counter::DropTunnelHeadroom as u32 + 1;
 
     pub const ALL: [Counter; Counter::COUNT as usize] = [
         Counter::Packets,
@@ -635,6 +682,13 @@ impl Counter {
         Counter::SyncOpenLimited,
         Counter::IcmpToBackend,
         Counter::IcmpToClient,
+        Counter::Encapsulated,
+        Counter::DropTunnelNoNeigh,
+        Counter::DropTunnelTooBig,
+        Counter::DropTunnelFibOther,
+        Counter::DropTunnelVlan,
+        Counter::DropTunnelEgress,
+        Counter::DropTunnelHeadroom,
     ];
 
     /// Stable snake_case name, used in the agent's metrics and CLI.
@@ -685,6 +739,68 @@ impl Counter {
             Counter::SyncOpenLimited => "sync_open_limited",
             Counter::IcmpToBackend => "icmp_to_backend",
             Counter::IcmpToClient => "icmp_to_client",
+            Counter::Encapsulated => "encapsulated",
+            Counter::DropTunnelNoNeigh => "drop_tunnel_no_neigh",
+            Counter::DropTunnelTooBig => "drop_tunnel_too_big",
+            Counter::DropTunnelFibOther => "drop_tunnel_fib_other",
+            Counter::DropTunnelVlan => "drop_tunnel_vlan",
+            Counter::DropTunnelEgress => "drop_tunnel_egress",
+            Counter::DropTunnelHeadroom => "drop_tunnel_headroom",
+        }
+    }
+}
+
+/// A gateway that the decapsulating program (`decap`, on a backend) takes tunnelled packets
+/// from: the outer source address, as `VipInfo::tunnel_src` of that gateway's VIPs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct TunnelPeer {
+    pub addr: [u32; 4],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Most gateways a backend's `decap` program takes packets from.
+pub const MAX_TUNNEL_PEERS: u32 = 64;
+
+/// What the decapsulating program did with each packet; one per-CPU counter each.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecapCounter {
+    Packets = 0,
+    /// An IPIP or IP6IP6 packet from a peer: its outer header taken off, the inner packet
+    /// passed to the stack.
+    Decapsulated,
+    /// Not IPIP or IP6IP6 (or an outer header with options, a fragment, extension headers):
+    /// passed untouched.
+    PassNotTunnel,
+    /// A tunnelled packet from a source not in `DECAP_PEERS`: passed untouched (the kernel
+    /// drops it, or a tunnel device of its own takes it).
+    PassNotPeer,
+    /// Shorter than its headers say, or an inner packet of the other family: passed
+    /// untouched.
+    PassMalformed,
+}
+
+impl DecapCounter {
+    pub const COUNT: u32 = DecapCounter::PassMalformed as u32 + 1;
+
+    pub const ALL: [DecapCounter; DecapCounter::COUNT as usize] = [
+        DecapCounter::Packets,
+        DecapCounter::Decapsulated,
+        DecapCounter::PassNotTunnel,
+        DecapCounter::PassNotPeer,
+        DecapCounter::PassMalformed,
+    ];
+
+    /// Stable snake_case name, as the CLI prints it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DecapCounter::Packets => "packets",
+            DecapCounter::Decapsulated => "decapsulated",
+            DecapCounter::PassNotTunnel => "pass_not_tunnel",
+            DecapCounter::PassNotPeer => "pass_not_peer",
+            DecapCounter::PassMalformed => "pass_malformed",
         }
     }
 }
@@ -695,6 +811,7 @@ mod pod {
     // so every bit pattern is valid and no byte is uninitialised.
     unsafe impl aya::Pod for super::VipKey {}
     unsafe impl aya::Pod for super::VipInfo {}
+    unsafe impl aya::Pod for super::TunnelPeer {}
     unsafe impl aya::Pod for super::Backend {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FlowEntry {}

@@ -172,7 +172,7 @@ fn build_v6(ctx: &XdpContext, grow: usize, mtu: u16) -> Result<(), ()> {
 /// (as 16-bit halves). One bounds check for all of them: per-word checks in a loop are
 /// rewritten by LLVM into arithmetic on the end pointer, which the verifier refuses.
 #[inline(always)]
-fn sum<const N: usize>(ctx: &XdpContext, off: usize, start: u32) -> Result<u32, ()> {
+pub fn sum<const N: usize>(ctx: &XdpContext, off: usize, start: u32) -> Result<u32, ()> {
     let first = ctx.data() + off;
     if first + 4 * N > ctx.data_end() {
         return Err(());

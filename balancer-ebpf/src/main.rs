@@ -15,6 +15,7 @@ mod nat;
 mod parse;
 mod room;
 mod sync;
+mod tunnel;
 
 use aya_ebpf::{
     bindings::{
@@ -37,7 +38,7 @@ use icmp_errors::Back;
 use maps::{
     allowed, count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS,
 };
-use nat::NoHop;
+use nat::{NoHop, Outer};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -108,19 +109,29 @@ fn icmp_error(ctx: *mut xdp_md) -> u32 {
         return XDP_PASS;
     }
     // SAFETY: pointers from successful lookups, valid for this run; fields written whole.
-    let (dsr, entry) = (unsafe { (*vip).flags } & VIP_F_DSR != 0, unsafe {
-        &mut *entry
-    });
+    let (vip, entry) = (unsafe { &*vip }, unsafe { &mut *entry });
+    let dsr = vip.flags & VIP_F_DSR != 0;
     let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let outer = outer(vip, &entry.nat_addr);
     let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
-    let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
+    let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, (dsr, &outer));
     let (addr, port) = (&entry.nat_addr, entry.nat_port);
     if !dsr && icmp_errors::translate(ctx, quoted, addr, port, Back::ToBackend).is_err() {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
     count(Counter::IcmpToBackend);
-    nat::send(ctx, pkt, hop, dsr)
+    nat::send(ctx, pkt, hop, dsr, &outer)
+}
+
+/// The outer header of `vip`'s packets to the backend at `addr`: a tunnel VIP's, or none.
+#[inline(always)]
+fn outer<'a>(vip: &'a VipInfo, addr: &'a [u32; 4]) -> Outer<'a> {
+    Outer {
+        mask: vip.tunnel_mask,
+        src: &vip.tunnel_src,
+        dst: addr,
+    }
 }
 
 /// The VIP a packet (or the flow an ICMP error quotes) is sent to, as `VIPS` keys it.
@@ -137,9 +148,10 @@ fn vip_of(pkt: &Packet) -> VipKey {
 #[inline(always)]
 fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
     if let Some(vip) = VIPS.get_ptr(vip_of(pkt)) {
-        // SAFETY: a pointer from a successful lookup is valid for this program run.
-        let vip = unsafe { *vip };
-        return forward(ctx, pkt, &vip);
+        // SAFETY: a pointer from a successful lookup is valid for this program run; the agent
+        // replaces a hash map's values whole, so the fields read are of one version. Not
+        // copied: the TCP path has no stack to spare.
+        return forward(ctx, pkt, unsafe { &*vip });
     }
     if let Some((vip, flow, entry, now)) = replied_flow(pkt) {
         // SAFETY: valid for this run; fields are written whole.
@@ -272,7 +284,8 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
             }
             note_fin(pkt, &pkt.key, entry, now, dsr);
             let backend = (entry.backend_id, &entry.nat_addr, entry.nat_port);
-            let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, dsr);
+            let via = (dsr, &outer(vip, &entry.nat_addr));
+            let hop = to_backend(ctx, pkt, &mut entry.to_backend, backend, now, via);
             target = Some((entry.backend_id, entry.nat_addr, entry.nat_port, hop));
         }
     }
@@ -303,7 +316,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, vip: &VipInfo) -> u32 {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, hop, dsr)
+    nat::send(ctx, pkt, hop, dsr, &outer(vip, &addr))
 }
 
 /// The ICMP answer's verdict when `hop` says `pkt` is too big for its next hop and it gets
@@ -331,7 +344,10 @@ fn answer_too_big(ctx: &XdpContext, pkt: &Packet, hop: &Result<NextHop, NoHop>) 
 /// Whether `no` says the packet is longer than the MTU towards its next hop.
 #[inline(always)]
 fn too_big(no: &NoHop) -> bool {
-    matches!(no.why, Counter::PassTooBig | Counter::DropDsrTooBig)
+    matches!(
+        no.why,
+        Counter::PassTooBig | Counter::DropDsrTooBig | Counter::DropTunnelTooBig
+    )
 }
 
 /// The next hop of a flow's replies: the answer cached in its entry while it is from this
@@ -351,7 +367,8 @@ fn to_client(
     if fresh(cache, epoch, pkt) {
         return Ok(*cache);
     }
-    let hop = nat::next_hop(ctx, pkt, ends, ports, false).map(|r| NextHop { epoch, ..r.hop });
+    let hop = nat::next_hop(ctx, pkt, ends, ports, false, &no_tunnel(ends.0))
+        .map(|r| NextHop { epoch, ..r.hop });
     *cache = hop.unwrap_or_default();
     hop
 }
@@ -368,6 +385,7 @@ fn fresh(hop: &NextHop, epoch: u32, pkt: &Packet) -> bool {
 /// and the backend is on one of our links (see `BackendHop`), else a FIB lookup, kept for
 /// both. So a new flow's SYN, and a long flow's first packet of a new epoch, mostly skip the
 /// lookup. Only usable answers are cached, so a DSR flow's cache holds a backend on our link.
+/// A tunnel VIP's (`via.1`) is the outer header's next hop.
 #[inline(always)]
 fn to_backend(
     ctx: &XdpContext,
@@ -375,7 +393,7 @@ fn to_backend(
     cache: &mut NextHop,
     (id, addr, port): (u32, &[u32; 4], u16),
     now: u64,
-    dsr: bool,
+    (dsr, outer): (bool, &Outer),
 ) -> Result<NextHop, NoHop> {
     let epoch = (now >> 30) as u32;
     if fresh(cache, epoch, pkt) {
@@ -392,7 +410,7 @@ fn to_backend(
         }
     }
     let ports = (pkt.key.sport, port);
-    let route = nat::next_hop(ctx, pkt, (&pkt.key.src, addr), ports, dsr);
+    let route = nat::next_hop(ctx, pkt, (&pkt.key.src, addr), ports, dsr, outer);
     *cache = match &route {
         Ok(r) => NextHop { epoch, ..r.hop },
         Err(_) => NextHop::default(),
@@ -484,15 +502,34 @@ fn new_flow(
         close_claim: 0,
     };
     let to = (id, &backend.addr, backend.port);
-    let hop = to_backend(ctx, pkt, &mut entry.to_backend, to, now, dsr);
+    let outer = outer(vip, &backend.addr);
+    let hop = to_backend(ctx, pkt, &mut entry.to_backend, to, now, (dsr, &outer));
     if dsr {
         // Not delivered, so not a flow: nothing recorded, nothing counted as opened, and the
         // client's next try is placed anew.
         if pkt.vlan {
-            return Err(Counter::DropDsrVlan);
+            return Err(nat::reason(
+                dsr,
+                &outer,
+                [
+                    Counter::PassVlan,
+                    Counter::DropDsrVlan,
+                    Counter::DropTunnelVlan,
+                ],
+            ));
         }
         match hop {
-            Ok(h) if !nat::can_send(ctx, h.ifindex) => return Err(Counter::DropDsrEgress),
+            Ok(h) if !nat::can_send(ctx, h.ifindex) => {
+                return Err(nat::reason(
+                    dsr,
+                    &outer,
+                    [
+                        Counter::PassEgress,
+                        Counter::DropDsrEgress,
+                        Counter::DropTunnelEgress,
+                    ],
+                ))
+            }
             Ok(_) => {}
             // Answered with the ICMP "too big" (`answer_too_big`), and not recorded either.
             Err(no) if too_big(&no) && icmp::answers(ctx, pkt) => {
@@ -677,7 +714,17 @@ fn reply(
         count(Counter::PassMalformed);
         return XDP_PASS;
     }
-    nat::send(ctx, pkt, hop, false)
+    nat::send(ctx, pkt, hop, false, &no_tunnel(&vip.addr))
+}
+
+/// [`Outer`] of a packet that goes through no tunnel (a reply).
+#[inline(always)]
+fn no_tunnel(addr: &[u32; 4]) -> Outer<'_> {
+    Outer {
+        mask: 0,
+        src: addr,
+        dst: addr,
+    }
 }
 
 /// A RST from either end closes the flow, and so does a FIN where `fin_ends`: the server's,

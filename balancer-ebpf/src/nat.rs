@@ -17,7 +17,28 @@ use balancer_common::{csum, Counter, NextHop, FAMILY_V4};
 use crate::{
     maps::{count, EGRESS, EGRESS_FRAGS},
     parse::{multi_buffer, Packet},
+    tunnel,
 };
+
+/// A tunnel VIP's outer header (`VIP_F_TUNNEL`) for packets to `dst`: `mask` all ones
+/// (`VipInfo::tunnel_mask`), the source `src`. Zero `mask` for other VIPs. The FIB question
+/// and the MTU allow for the header by arithmetic on `mask` rather than by a branch: the
+/// verifier walks the paths after a branch once per outcome wherever the outcome is tested
+/// again, and the forward path has no room for a third walk beside NAT's and DSR's.
+#[derive(Clone, Copy)]
+pub struct Outer<'a> {
+    pub mask: u32,
+    pub src: &'a [u32; 4],
+    pub dst: &'a [u32; 4],
+}
+
+impl Outer<'_> {
+    /// `plain`, or for a tunnel `tunnel`, without a branch.
+    #[inline(always)]
+    fn pick(&self, plain: u32, tunnel: u32) -> u32 {
+        (plain & !self.mask) | (tunnel & self.mask)
+    }
+}
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -107,7 +128,8 @@ pub fn rewrite_src(ctx: &XdpContext, pkt: &Packet, addr: &[u32; 4], port: u16) -
 }
 
 /// Why a packet has no next hop to be sent to: the counter that says so, and for a packet
-/// longer than the egress MTU (`PassTooBig`, `DropDsrTooBig`), that MTU.
+/// longer than the egress MTU (`PassTooBig`, `DropDsrTooBig`, `DropTunnelTooBig`), that MTU
+/// (for a tunnel, less the outer header).
 #[derive(Clone, Copy)]
 pub struct NoHop {
     pub why: Counter,
@@ -131,7 +153,9 @@ pub struct Route {
 /// not known yet (the stack resolves it, and sends the packet on), or no forwarding answer.
 /// With `dsr`, the packet still goes to the VIP, so `dst` must be the next hop itself (on a
 /// link of ours: a router would send the frame back to the VIP), and none of the reasons is
-/// one the stack could help with: they are drop reasons.
+/// one the stack could help with: they are drop reasons. Through a tunnel (`outer`), the
+/// question is the outer header's (from its source, longer by it), routers are fine, and the
+/// MTU in the answer is what is left for the packet inside.
 #[inline(always)]
 pub fn next_hop(
     ctx: &XdpContext,
@@ -139,22 +163,32 @@ pub fn next_hop(
     (src, dst): (&[u32; 4], &[u32; 4]),
     ports: (u16, u16),
     dsr: bool,
+    outer: &Outer,
 ) -> Result<Route, NoHop> {
     // SAFETY: a plain C struct of integers and unions of integers; all zeroes is valid.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.l4_protocol = pkt.key.proto;
-    p.sport = ports.0;
-    p.dport = ports.1;
-    p.__bindgen_anon_1.tot_len = pkt.len;
+    let added = tunnel::overhead(pkt.key.family) & outer.mask as u16;
+    p.l4_protocol = outer.pick(
+        u32::from(pkt.key.proto),
+        u32::from(tunnel::protocol(pkt.key.family)),
+    ) as u8;
+    p.sport = outer.pick(u32::from(ports.0), 0) as u16;
+    p.dport = outer.pick(u32::from(ports.1), 0) as u16;
+    p.__bindgen_anon_1.tot_len = pkt.len.saturating_add(added);
     p.ifindex = ctx.ingress_ifindex() as u32;
     if pkt.key.family == FAMILY_V4 {
         p.family = AF_INET;
         p.__bindgen_anon_2.tos = pkt.tos;
-        p.__bindgen_anon_3.ipv4_src = src[0];
+        p.__bindgen_anon_3.ipv4_src = outer.pick(src[0], outer.src[0]);
         p.__bindgen_anon_4.ipv4_dst = dst[0];
     } else {
         p.family = AF_INET6;
-        p.__bindgen_anon_3.ipv6_src = *src;
+        p.__bindgen_anon_3.ipv6_src = [
+            outer.pick(src[0], outer.src[0]),
+            outer.pick(src[1], outer.src[1]),
+            outer.pick(src[2], outer.src[2]),
+            outer.pick(src[3], outer.src[3]),
+        ];
         p.__bindgen_anon_4.ipv6_dst = *dst;
     }
     let asked = p.family;
@@ -187,9 +221,13 @@ pub fn next_hop(
         && to[1] == via[1]
         && to[2] == via[2]
         && to[3] == via[3];
-    if dsr && routed && !on_link {
+    if dsr && routed && !on_link && outer.mask == 0 {
         return Err(Counter::DropDsrRouted.into());
     }
+    // SAFETY: a u16 either way. On success the kernel (5.12 on) writes the egress MTU over
+    // `tot_len`; an older one leaves the length it checked, a smaller bound that still
+    // holds. On FRAG_NEEDED it is the MTU.
+    let mtu = unsafe { p.__bindgen_anon_1.mtu_result }.saturating_sub(added);
     if resolved && p.ifindex != 0 {
         Ok(Route {
             hop: NextHop {
@@ -197,38 +235,58 @@ pub fn next_hop(
                 epoch: 0,
                 dmac: p.dmac,
                 smac: p.smac,
-                // On success the kernel (5.12 on) writes the egress MTU over `tot_len`;
-                // an older one leaves the length it checked, a smaller bound that still holds.
-                // SAFETY: a u16 either way.
-                mtu: unsafe { p.__bindgen_anon_1.mtu_result },
+                mtu,
                 _pad: 0,
             },
             on_link,
         })
     } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        Err(if dsr {
-            Counter::DropDsrNoNeigh
-        } else {
-            Counter::PassNoNeigh
-        }
+        Err(reason(
+            dsr,
+            outer,
+            [
+                Counter::PassNoNeigh,
+                Counter::DropDsrNoNeigh,
+                Counter::DropTunnelNoNeigh,
+            ],
+        )
         .into())
     } else if rc == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
         Err(NoHop {
-            why: if dsr {
-                Counter::DropDsrTooBig
-            } else {
-                Counter::PassTooBig
-            },
-            // SAFETY: a u16 the kernel writes the MTU to on this answer.
-            mtu: unsafe { p.__bindgen_anon_1.mtu_result },
+            why: reason(
+                dsr,
+                outer,
+                [
+                    Counter::PassTooBig,
+                    Counter::DropDsrTooBig,
+                    Counter::DropTunnelTooBig,
+                ],
+            ),
+            mtu,
         })
     } else {
-        Err(if dsr {
-            Counter::DropDsrFibOther
-        } else {
-            Counter::PassFibOther
-        }
+        Err(reason(
+            dsr,
+            outer,
+            [
+                Counter::PassFibOther,
+                Counter::DropDsrFibOther,
+                Counter::DropTunnelFibOther,
+            ],
+        )
         .into())
+    }
+}
+
+/// Which of `[nat, dsr, tunnel]` is the reason for a VIP's packet that cannot be sent from
+/// here. A translated packet is the stack's to route; one still addressed to the VIP is
+/// not, so the others are drop reasons, each counted apart. Only on paths that end.
+#[inline(always)]
+pub fn reason(dsr: bool, outer: &Outer, [nat, direct, tunnel]: [Counter; 3]) -> Counter {
+    match (dsr, outer.mask != 0) {
+        (false, _) => nat,
+        (true, false) => direct,
+        (true, true) => tunnel,
     }
 }
 
@@ -242,16 +300,27 @@ pub fn can_send(ctx: &XdpContext, ifindex: u32) -> bool {
 /// Sends the packet to `hop`: out of a NIC, or through the stack when there is no next hop
 /// to use (`Err`: why), the frame is VLAN-tagged, or the next hop is out of an interface the
 /// program is not attached to. With `dsr` the packet is still addressed to the VIP, which
-/// the stack would not send to the backend: dropped instead.
+/// the stack would not send to the backend: dropped instead. A tunnel VIP's goes inside its
+/// `outer` header.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, NoHop>, dsr: bool) -> u32 {
+pub fn send(
+    ctx: &XdpContext,
+    pkt: &Packet,
+    hop: Result<NextHop, NoHop>,
+    dsr: bool,
+    outer: &Outer,
+) -> u32 {
     let undeliverable = if dsr { XDP_DROP } else { XDP_PASS };
     if pkt.vlan {
-        count(if dsr {
-            Counter::DropDsrVlan
-        } else {
-            Counter::PassVlan
-        });
+        count(reason(
+            dsr,
+            outer,
+            [
+                Counter::PassVlan,
+                Counter::DropDsrVlan,
+                Counter::DropTunnelVlan,
+            ],
+        ));
         return undeliverable;
     }
     let hop = match hop {
@@ -275,21 +344,32 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, hop: Result<NextHop, NoHop>, dsr: bo
         match redirected {
             Ok(action) => (action, Counter::Redirect),
             Err(_) => {
-                count(if dsr {
-                    Counter::DropDsrEgress
-                } else {
-                    Counter::PassEgress
-                });
+                count(reason(
+                    dsr,
+                    outer,
+                    [
+                        Counter::PassEgress,
+                        Counter::DropDsrEgress,
+                        Counter::DropTunnelEgress,
+                    ],
+                ));
                 return undeliverable;
             }
         }
     };
     // We are the router now, so the TTL is ours to decrement (the stack does it for the
     // packets we pass). The parser refused TTL <= 1.
-    if decrement_ttl(ctx, pkt).is_err()
-        || put(ctx, 0, hop.dmac).is_err()
-        || put(ctx, 6, hop.smac).is_err()
-    {
+    if decrement_ttl(ctx, pkt).is_err() {
+        count(Counter::PassMalformed);
+        return XDP_PASS;
+    }
+    if outer.mask != 0 {
+        if let Err(why) = tunnel::encapsulate(ctx, pkt, &hop, (outer.src, outer.dst)) {
+            count(why);
+            return XDP_DROP;
+        }
+        count(Counter::Encapsulated);
+    } else if put(ctx, 0, hop.dmac).is_err() || put(ctx, 6, hop.smac).is_err() {
         count(Counter::PassMalformed);
         return XDP_PASS;
     }

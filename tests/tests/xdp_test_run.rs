@@ -6,18 +6,21 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::{bail, ensure, Context, Result};
-use aya::programs::{TestRun, TestRunOptions};
+use aya::programs::{TestRun, TestRunOptions, Xdp};
 use balancer_agent::{
     config::Config,
     controller::Controller,
     dataplane::Dataplane,
+    decap::Decap,
     plan::{Ids, Plan, VipPlan, Weights},
     sync::{Event, Kind},
 };
-use balancer_common::{BackendStats, Counter, Limit};
+use balancer_common::{
+    addr_words, tunnel_flow_label, BackendStats, Counter, DecapCounter, FlowKey, Limit,
+};
 use balancer_tests::netns::Netns;
 use balancer_tests::test_run::{gateway_links, ifindex, MAC_G0, MAC_G1, MAC_S0};
-use etherparse::{IpHeaders, Ipv4Header, PacketBuilder, TcpOptionElement, VlanId};
+use etherparse::{IpHeaders, Ipv4Header, Ipv6Header, PacketBuilder, TcpOptionElement, VlanId};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -288,13 +291,18 @@ impl Frame {
 /// Runs `frame` through `dp`'s program as if it came in on `ingress`: the verdict and the
 /// frame after.
 fn run_on(dp: &mut Dataplane, ingress: u32, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+    run_program(dp.program(), ingress, frame)
+}
+
+/// [`run_on`] for any XDP program.
+fn run_program(prog: &mut Xdp, ingress: u32, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
     // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
     // egress_ifindex.
     let mut ctx = [0u8; 24];
     ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
     ctx[12..16].copy_from_slice(&ingress.to_ne_bytes());
     let mut out = vec![0u8; frame.len() + 256];
-    let r = dp.program().test_run(TestRunOptions {
+    let r = prog.test_run(TestRunOptions {
         data_in: Some(frame),
         data_out: Some(&mut out),
         ctx_in: Some(&ctx),
@@ -455,6 +463,181 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Tunnel VIPs (`forwarding = "tunnel"`, to the server behind a router): the client's packet,
+/// TTL - 1 and otherwise as it came, inside an outer IPIP or IP6IP6 header from the pool's
+/// `tunnel_source` to the server, towards the router; the server's `decap` program gives the
+/// packet inside back exactly, and leaves alone what a gateway it was not told of sends.
+/// What cannot be sent is dropped, as for DSR: the stack would route it by the VIP. The
+/// "too big" answer gives the MTU less the outer header.
+#[test]
+fn tunnels_carry_the_packet_as_it_came() -> Result<()> {
+    in_topology(|| {
+        let nets = [v4(), v6()];
+        let sources = [ip("10.4.0.1"), ip("fd00:4::1")];
+        let mut text = String::from("[agent]\ninterfaces = [\"g0\", \"g1\"]\n");
+        for (f, (n, src)) in nets.iter().zip(sources).enumerate() {
+            text += &format!(
+                "[[pool]]\nname = \"tunnel{f}\"\nvip = \"{}\"\nport = 8000\n\
+                 forwarding = \"tunnel\"\ntunnel_source = \"{src}\"\n\
+                 [[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+                n.vip_dsr, n.routed
+            );
+        }
+        let config = Config::parse(std::path::Path::new("tunnel.toml"), &text)?;
+        let (mut h, plan) = Harness::load(&config)?;
+        let mut decap = Decap::load(&sources)?;
+        for (n, src) in nets.iter().zip(sources) {
+            tunnel(&mut h, &mut decap, n, src, id_in(&plan, n.routed))?;
+        }
+        Ok(())
+    })
+}
+
+fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let (g0, g1) = (h.g0, h.g1);
+    let syn = client_syn(n, n.vip_dsr, 43001);
+    // What the router (the backend's MAC) gets, and what the server finds inside.
+    let inside = |f: &Frame| {
+        f.with(|f| {
+            f.smac = MAC_G1;
+            f.dmac = MAC_BACKEND;
+            f.ttl -= 1;
+        })
+    };
+    let s0 = h.stats(id);
+    for (what, frame, counter) in [
+        ("SYN", syn.clone(), Counter::FlowNewSyn),
+        ("ACK", syn.with(|f| f.flags = "A"), Counter::Encapsulated),
+        ("data", data(&syn, 600), Counter::Redirect),
+        ("FIN", syn.with(|f| f.flags = "FA"), Counter::Forward),
+    ] {
+        let sent = encapsulated(&inside(&frame), src, n.routed);
+        h.expect(
+            &format!("{fam} tunnel {what}"),
+            g0,
+            &frame.bytes(),
+            XDP_REDIRECT,
+            &sent,
+            counter,
+        )?;
+        let (verdict, out) = run_program(decap.program()?, g1, &sent)?;
+        ensure!(
+            verdict == XDP_PASS && out == inside(&frame).bytes(),
+            "{fam} tunnel {what}, decapsulated: verdict {verdict}\n got      {out:02x?}\n \
+             expected {:02x?}",
+            inside(&frame).bytes()
+        );
+    }
+    let s1 = h.stats(id);
+    ensure!(
+        (s1.flows_opened, s1.flows_closed) == (s0.flows_opened + 1, s0.flows_closed + 1),
+        "{fam} tunnel: opened {} and closed {}, expected one each",
+        s1.flows_opened - s0.flows_opened,
+        s1.flows_closed - s0.flows_closed
+    );
+    let counted = |d: &Decap, c: DecapCounter| -> Result<u64> {
+        Ok(d.counters()?.into_iter().find(|(k, _)| *k == c).unwrap().1)
+    };
+    // From a gateway the server was not told of, and not a tunnel at all: untouched.
+    let stranger = encapsulated(&inside(&syn), n.client, n.routed);
+    let plain = inside(&syn).bytes();
+    for (what, frame, counter) in [
+        ("from another source", &stranger, DecapCounter::PassNotPeer),
+        ("not tunnelled", &plain, DecapCounter::PassNotTunnel),
+    ] {
+        let before = counted(decap, counter)?;
+        let (verdict, out) = run_program(decap.program()?, g1, frame)?;
+        ensure!(
+            verdict == XDP_PASS && out == *frame && counted(decap, counter)? == before + 1,
+            "{fam} decap, {what}: verdict {verdict}, {} {}",
+            if out == *frame {
+                "untouched"
+            } else {
+                "changed"
+            },
+            counter.name()
+        );
+    }
+    // A tagged frame: XDP cannot send on a VLAN device, the stack would route by the VIP.
+    let tagged = syn.with(|f| {
+        f.vlan = Some(7);
+        f.sport = 43002;
+    });
+    h.expect_untouched(
+        &format!("{fam} tunnel SYN, VLAN-tagged"),
+        g0,
+        &tagged.bytes(),
+        XDP_DROP,
+        Counter::DropTunnelVlan,
+    )?;
+    // Fits the egress MTU, but not with the outer header: answered with what is left.
+    let v4 = n.client.is_ipv4();
+    let big = data(&syn.with(|f| f.sport = 43003), if v4 { 1241 } else { 1221 });
+    with_mtu(&["g1"], 1300, || {
+        let len = big.bytes().len() - 14;
+        ensure!(
+            len == 1300,
+            "{fam}: a {len}-byte packet, not one of exactly the MTU"
+        );
+        h.expect(
+            &format!("{fam} tunnel data past the egress MTU with the outer header"),
+            g0,
+            &big.bytes(),
+            XDP_TX,
+            &too_big_answer(&big, if v4 { 1280 } else { 1260 }),
+            Counter::TooBigAnswered,
+        )
+    })
+}
+
+/// `inner` (an Ethernet frame) as the gateway tunnels it from `src` to `dst`: the same
+/// MACs, then the outer header (TTL 64; for IPv4 the inner packet's identification and
+/// don't-fragment, for IPv6 the connection's flow label), then the inner IP packet.
+fn encapsulated(inner: &Frame, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let bytes = inner.bytes();
+    let packet = &bytes[14..];
+    let mut out = bytes[..12].to_vec();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            out.extend(0x0800u16.to_be_bytes());
+            let mut ip = Ipv4Header::new(
+                packet.len() as u16,
+                64,
+                etherparse::IpNumber::IPV4,
+                s.octets(),
+                d.octets(),
+            )
+            .unwrap();
+            ip.identification = u16::from_be_bytes([packet[4], packet[5]]);
+            ip.dont_fragment = packet[6] & 0x40 != 0;
+            ip.header_checksum = ip.calc_header_checksum();
+            out.extend(ip.to_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            out.extend(0x86ddu16.to_be_bytes());
+            let key = FlowKey {
+                src: addr_words(inner.src).0,
+                sport: inner.sport.to_be(),
+                ..Default::default()
+            };
+            let ip = Ipv6Header {
+                traffic_class: 0,
+                flow_label: etherparse::Ipv6FlowLabel::try_new(tunnel_flow_label(&key)).unwrap(),
+                payload_length: packet.len() as u16,
+                next_header: etherparse::IpNumber::IPV6,
+                hop_limit: 64,
+                source: s.octets(),
+                destination: d.octets(),
+            };
+            out.extend(ip.to_bytes());
+        }
+        _ => panic!("mixed families"),
+    }
+    out.extend(packet);
+    out
 }
 
 /// What a generated case sends: a client's frame to one of a family's VIPs, a backend's
