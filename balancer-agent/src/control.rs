@@ -676,6 +676,10 @@ mod tests {
         view.forwarding = Forwarding::Dsr;
         assert!(render(&view)
             .starts_with("pool chat-pool (VIP 192.0.2.60:8000, direct server return)\n"));
+        view.forwarding = Forwarding::Tunnel;
+        assert!(render(&view).starts_with(
+            "pool chat-pool (VIP 192.0.2.60:8000, direct server return through a tunnel)\n"
+        ));
         let mut lines = text.lines().skip(1);
         let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
         assert_eq!(

@@ -129,3 +129,40 @@ pub fn render(counters: &[(DecapCounter, u64)]) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateways_are_named_and_routable() {
+        let refused = |gateways: &[&str]| {
+            let gateways: Vec<IpAddr> = gateways.iter().map(|g| g.parse().unwrap()).collect();
+            match Decap::load(&gateways) {
+                Ok(_) => panic!("{gateways:?} accepted"),
+                Err(e) => e.to_string(),
+            }
+        };
+        assert!(refused(&[]).contains("name 1 to 64 gateways"));
+        let many: Vec<String> = (0..65).map(|i| format!("10.4.1.{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(refused(&many).contains("name 1 to 64 gateways"));
+        for bad in ["0.0.0.0", "127.0.0.1", "ff02::1", "::"] {
+            let said = refused(&["10.4.0.1", bad]);
+            assert!(
+                said.contains(&format!("{bad} cannot be a gateway's address")),
+                "{said}"
+            );
+        }
+    }
+
+    #[test]
+    fn counters_are_printed_one_per_line() {
+        let text = render(&[
+            (DecapCounter::Packets, 3),
+            (DecapCounter::Decapsulated, 2),
+            (DecapCounter::PassNotPeer, 1),
+        ]);
+        assert_eq!(text, "packets 3\ndecapsulated 2\npass_not_peer 1");
+    }
+}

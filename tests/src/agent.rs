@@ -78,6 +78,8 @@ pub struct Pool {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forwarding: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel_source: Option<IpAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub spill_waiting: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spill_ttft_ms: Option<u32>,
@@ -135,6 +137,7 @@ impl AgentConfig {
             vip: family.vip().ip(),
             port: family.vip().port(),
             forwarding: None,
+            tunnel_source: None,
             spill_waiting: None,
             spill_ttft_ms: None,
             kv_high: None,

@@ -318,6 +318,45 @@ impl Topology {
         Ok(())
     }
 
+    /// Tunnel forwarding (`forwarding = "tunnel"`) to the server of
+    /// [`Topology::add_far_server`], `fs`: it holds both VIPs on its loopback and serves them
+    /// too (a second `sse_server`, also `far`); its `decap` is the caller's to run
+    /// ([`Topology::far_server`]). After [`Topology::direct_return`], the router sends the
+    /// answers, from the VIPs, to the client over the client's own link to the switch rather
+    /// than through the gateway.
+    pub fn tunnel_to_far_server(&mut self, sse_server: &Path, direct: bool) -> Result<()> {
+        let dir = self.dir.path().to_owned();
+        let [rt, fs] = &mut self.far_server[..] else {
+            anyhow::bail!("no far server: add_far_server first");
+        };
+        ip(fs, &format!("addr add {VIP4}/32 dev lo"))?;
+        ip(fs, &format!("-6 addr add {VIP6}/128 dev lo"))?;
+        if direct {
+            ip(rt, "route replace 10.9.0.0/24 via 10.4.0.9")?;
+            ip(rt, "-6 route replace fd00:9::/64 via fd00:4::9")?;
+        }
+        let mut cmd = fs.command(sse_server);
+        cmd.args([
+            "--listen",
+            &SocketAddr::new(VIP4.into(), 8000).to_string(),
+            "--listen",
+            &SocketAddr::new(VIP6.into(), 8000).to_string(),
+            "--name",
+            "far",
+        ]);
+        let log = dir.join("far-vip-sse-server.log");
+        fs.spawn("sse-server", cmd, &log)?
+            .wait_for_line(0, READY_TIMEOUT, |line| line.contains("listening on"))?;
+        Ok(())
+    }
+
+    /// The far server's namespace ([`Topology::add_far_server`]).
+    pub fn far_server(&self) -> Result<&Netns> {
+        self.far_server
+            .get(1)
+            .context("the topology has no far server")
+    }
+
     /// The client one router further away ([`Topology::add_far_client`]).
     pub fn far_client(&self) -> Result<&Netns> {
         self.far.as_ref().context("the topology has no far client")
