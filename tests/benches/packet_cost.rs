@@ -72,6 +72,8 @@ struct Net {
     vip_shared: IpAddr,
     /// A VIP of the same backend with direct server return (`forwarding = "dsr"`).
     vip_dsr: IpAddr,
+    /// And one through a tunnel (`forwarding = "tunnel"`).
+    vip_tunnel: IpAddr,
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -184,6 +186,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             other: ip("10.4.0.99"),
             vip_shared: ip("192.0.2.61"),
             vip_dsr: ip("192.0.2.62"),
+            vip_tunnel: ip("192.0.2.63"),
         },
         Net {
             client: ip("fd00:9::2"),
@@ -192,18 +195,31 @@ fn measure(plan: &Plan) -> Result<Measured> {
             other: ip("fd00:4::99"),
             vip_shared: ip("2001:db8::61"),
             vip_dsr: ip("2001:db8::62"),
+            vip_tunnel: ip("2001:db8::63"),
         },
     ];
     let mut text =
         String::from("[agent]\ninterfaces = [\"g0\", \"g1\"]\nflow_table_entries = 4194304\n");
     for (i, n) in nets.iter().enumerate() {
+        // The tunnel's source: the gateway's address on g1.
+        let source = if n.client.is_ipv4() {
+            "10.4.0.1"
+        } else {
+            "fd00:4::1"
+        };
         for (name, vip, forwarding) in [
             ("p", n.vip, "nat"),
             ("shared", n.vip_shared, "nat"),
             ("dsr", n.vip_dsr, "dsr"),
+            ("tunnel", n.vip_tunnel, "tunnel"),
         ] {
+            let source = if forwarding == "tunnel" {
+                format!("tunnel_source = \"{source}\"\n")
+            } else {
+                String::new()
+            };
             text += &format!(
-                "[[pool]]\nname = \"{name}{i}\"\nvip = \"{vip}\"\nport = 8000\nforwarding = \"{forwarding}\"\n[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
+                "[[pool]]\nname = \"{name}{i}\"\nvip = \"{vip}\"\nport = 8000\nforwarding = \"{forwarding}\"\n{source}[[pool.server]]\naddress = \"{}\"\nport = 8000\nmetrics_port = 8001\n",
                 n.backend
             );
         }
@@ -300,8 +316,8 @@ fn measure(plan: &Plan) -> Result<Measured> {
             )),
             IpAddr::V6(_) => ip(&format!("fd00:{}::{:x}", 20 + salt, i)),
         };
-        let mut sums = [0.0f64; 15];
-        let mut runs = [0u32; 15];
+        let mut sums = [0.0f64; 18];
+        let mut runs = [0u32; 18];
         let mut stalls = 0u32;
         let hint = HintRange::DEFAULT;
         let flow = |i: u32| (client(i, 0), 40000 + (i % 20000) as u16);
@@ -337,6 +353,10 @@ fn measure(plan: &Plan) -> Result<Measured> {
         const DSR_SYN: usize = 12;
         const DSR_WARM: usize = 13;
         const DSR_ESTABLISHED: usize = 14;
+        // The same for the tunnel VIP: the packet goes out inside an outer header.
+        const TUNNEL_SYN: usize = 15;
+        const TUNNEL_WARM: usize = 16;
+        const TUNNEL_ESTABLISHED: usize = 17;
         let ours: &Xdp = dp.program();
         let floor_prog: &Xdp = pass;
         let packet = |figure: usize, i: u32| {
@@ -378,6 +398,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
                     frame(client(i, 2), n.vip_dsr, sport, 8000, false),
                     XDP_REDIRECT,
                 ),
+                TUNNEL_SYN => (
+                    ours,
+                    g0,
+                    frame(client(i, 3), n.vip_tunnel, sport, 8000, true),
+                    XDP_REDIRECT,
+                ),
+                TUNNEL_WARM | TUNNEL_ESTABLISHED => (
+                    ours,
+                    g0,
+                    frame(client(i, 3), n.vip_tunnel, sport, 8000, false),
+                    XDP_REDIRECT,
+                ),
                 HINTED => {
                     let hport = hint.start + (i % u32::from(hint.span)) as u16;
                     let f = frame(client(i, 1), n.vip, hport, 8000, true);
@@ -396,20 +428,22 @@ fn measure(plan: &Plan) -> Result<Measured> {
         // One kind of SYN per pass: the LRU refills a CPU's list of free entries every 128
         // inserts (several microseconds), and kinds interleaved flow by flow would leave
         // that cost to whichever kind comes first when their number divides 128.
-        let passes: [&[usize]; 8] = [
+        let passes: [&[usize]; 9] = [
             &[FLOOR, NOT_OURS],
             &[SYN],
             &[HINTED],
             &[SHARED_SYN],
             &[DSR_SYN],
+            &[TUNNEL_SYN],
             &[
                 FIRST_REPLY,
                 WARM_FORWARD,
                 SHARED_REPLY,
                 SHARED_FIRST,
                 DSR_WARM,
+                TUNNEL_WARM,
             ],
-            &[ESTABLISHED, BURST, DSR_ESTABLISHED],
+            &[ESTABLISHED, BURST, DSR_ESTABLISHED, TUNNEL_ESTABLISHED],
             &[REPLY],
         ];
         let chunk = plan.packets.min(CHUNK);
@@ -448,7 +482,7 @@ fn measure(plan: &Plan) -> Result<Measured> {
             runs.iter().all(|&r| r > 0),
             "{fam}: every run of some path stalled past {STALL_NS} ns"
         );
-        let [floor, not_ours, maglev, established, reply, hinted, first_reply, first, burst, shared_syn, shared_first, _, dsr_syn, _, dsr_established] =
+        let [floor, not_ours, maglev, established, reply, hinted, first_reply, first, burst, shared_syn, shared_first, _, dsr_syn, _, dsr_established, tunnel_syn, _, tunnel_established] =
             std::array::from_fn(|f| sums[f] / f64::from(runs[f]));
         stalled.push(format!("{fam} {stalls}"));
         figures.insert(
@@ -532,6 +566,18 @@ fn measure(plan: &Plan) -> Result<Measured> {
             "dsr_established",
             "established flow, forward, direct server return",
             dsr_established,
+            String::new(),
+        );
+        row(
+            "tunnel_syn",
+            "new SYN through Maglev, through a tunnel",
+            tunnel_syn,
+            String::new(),
+        );
+        row(
+            "tunnel_established",
+            "established flow, forward, through a tunnel",
+            tunnel_established,
             String::new(),
         );
         row(

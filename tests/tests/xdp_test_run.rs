@@ -561,6 +561,38 @@ fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> 
             counter.name()
         );
     }
+    // An ICMP error about a reply (which the server sent from the VIP itself, around the
+    // gateway), from a router on the client's side: into the tunnel with the flow's packets.
+    let open = syn.with(|f| f.sport = 43004);
+    h.expect(
+        &format!("{fam} tunnel SYN before an ICMP error"),
+        g0,
+        &open.bytes(),
+        XDP_REDIRECT,
+        &encapsulated(&inside(&open), src, n.routed),
+        Counter::FlowNewSyn,
+    )?;
+    let reply = open.with(|f| {
+        (f.src, f.dst, f.sport, f.dport) = (n.vip_dsr, n.client, 8000, 43004);
+        f.flags = "AP";
+    });
+    let quoted = &reply.bytes()[14..];
+    let error = icmp_error(n.router, n.vip_dsr, (MAC_CLIENT, MAC_G0, 64), quoted);
+    let forwarded = icmp_error(n.router, n.vip_dsr, (MAC_G1, MAC_BACKEND, 63), quoted);
+    let sent = encapsulated_bytes(&forwarded, (n.client, 43004), src, n.routed);
+    h.expect(
+        &format!("{fam} tunnel ICMP error"),
+        g0,
+        &error,
+        XDP_REDIRECT,
+        &sent,
+        Counter::IcmpToBackend,
+    )?;
+    let (verdict, out) = run_program(decap.program()?, g1, &sent)?;
+    ensure!(
+        verdict == XDP_PASS && out == forwarded,
+        "{fam} tunnel ICMP error, decapsulated: verdict {verdict}"
+    );
     // A tagged frame: XDP cannot send on a VLAN device, the stack would route by the VIP.
     let tagged = syn.with(|f| {
         f.vlan = Some(7);
@@ -595,9 +627,13 @@ fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> 
 
 /// `inner` (an Ethernet frame) as the gateway tunnels it from `src` to `dst`: the same
 /// MACs, then the outer header (TTL 64; for IPv4 the inner packet's identification and
-/// don't-fragment, for IPv6 the connection's flow label), then the inner IP packet.
+/// don't-fragment, for IPv6 the flow label of the connection from `client`), then the
+/// inner IP packet.
 fn encapsulated(inner: &Frame, src: IpAddr, dst: IpAddr) -> Vec<u8> {
-    let bytes = inner.bytes();
+    encapsulated_bytes(&inner.bytes(), (inner.src, inner.sport), src, dst)
+}
+
+fn encapsulated_bytes(bytes: &[u8], client: (IpAddr, u16), src: IpAddr, dst: IpAddr) -> Vec<u8> {
     let packet = &bytes[14..];
     let mut out = bytes[..12].to_vec();
     match (src, dst) {
@@ -619,8 +655,8 @@ fn encapsulated(inner: &Frame, src: IpAddr, dst: IpAddr) -> Vec<u8> {
         (IpAddr::V6(s), IpAddr::V6(d)) => {
             out.extend(0x86ddu16.to_be_bytes());
             let key = FlowKey {
-                src: addr_words(inner.src).0,
-                sport: inner.sport.to_be(),
+                src: addr_words(client.0).0,
+                sport: client.1.to_be(),
                 ..Default::default()
             };
             let ip = Ipv6Header {
