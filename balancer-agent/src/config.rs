@@ -700,6 +700,16 @@ impl Config {
                             format!("{a} cannot be a tunnel's source: {problem}"),
                         ));
                     }
+                    if let Some(q) = self.pool.iter().find(|q| q.vip == a) {
+                        return Err((
+                            at("tunnel_source"),
+                            format!(
+                                "{a} is pool {}'s VIP, which the servers hold themselves: \
+                                 name an address of this gateway's own",
+                                q.name
+                            ),
+                        ));
+                    }
                 }
                 (_, Some(_)) => {
                     return Err((
@@ -784,7 +794,7 @@ impl Config {
 }
 
 /// Why packets to `a` cannot be balanced, if they cannot.
-fn unroutable(a: IpAddr) -> Option<&'static str> {
+pub fn unroutable(a: IpAddr) -> Option<&'static str> {
     match a {
         // No IPv4 packet carries it: the pool would receive nothing.
         IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
@@ -1264,6 +1274,10 @@ metrics_port = 8001
             (
                 "tunnel_source = \"0.0.0.0\"\n",
                 "0.0.0.0 cannot be a tunnel's source",
+            ),
+            (
+                "tunnel_source = \"192.0.2.60\"\n",
+                "192.0.2.60 is pool chat-pool's VIP",
             ),
         ] {
             let err = parse(&tunnel(extra)).unwrap_err();

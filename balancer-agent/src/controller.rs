@@ -204,9 +204,9 @@ pub struct HealthTarget {
     pub api_key: Option<ApiKey>,
     /// The pool's `[pool.tls]`, loaded.
     pub tls: Option<Tls>,
-    /// In a pool with direct server return (`dsr` or `tunnel`): the way the gateway routes
-    /// to the server must suit it (`Routes::direct`).
-    pub direct: Option<Forwarding>,
+    /// In a pool with direct server return (`dsr` or `tunnel`): what the gateway's route to
+    /// the server must be (`Routes::direct`).
+    pub direct: Option<crate::route::Path>,
 }
 
 pub struct Controller {
@@ -835,12 +835,18 @@ impl Controller {
     }
 
     pub fn health_targets(&self) -> Vec<HealthTarget> {
-        let direct: HashMap<&str, Forwarding> = self
+        let direct: HashMap<&str, crate::route::Path> = self
             .config
             .pool
             .iter()
-            .filter(|p| p.forwarding.direct())
-            .map(|p| (p.name.as_str(), p.forwarding))
+            .filter_map(|p| {
+                let path = match (p.forwarding, p.tunnel_source) {
+                    (Forwarding::Dsr, _) => crate::route::Path::OnLink,
+                    (Forwarding::Tunnel, Some(source)) => crate::route::Path::Tunnel { source },
+                    _ => return None,
+                };
+                Some((p.name.as_str(), path))
+            })
             .collect();
         self.servers
             .iter()

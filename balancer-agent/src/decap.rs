@@ -15,7 +15,10 @@ use balancer_common::{addr_words, DecapCounter, TunnelPeer, MAX_TUNNEL_PEERS};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{info, warn};
 
-use crate::{config::XdpMode, objects};
+use crate::{
+    config::{unroutable, XdpMode},
+    objects,
+};
 
 /// The loaded program, its peers written, attached where `attach` was asked.
 pub struct Decap {
@@ -29,11 +32,10 @@ impl Decap {
         if gateways.is_empty() || gateways.len() > MAX_TUNNEL_PEERS as usize {
             bail!("name 1 to {MAX_TUNNEL_PEERS} gateways");
         }
-        if let Some(a) = gateways
-            .iter()
-            .find(|a| a.is_unspecified() || a.is_multicast() || a.is_loopback())
-        {
-            bail!("{a} cannot be a gateway's address (unspecified, multicast or loopback)");
+        for a in gateways {
+            if let Some(problem) = unroutable(*a) {
+                bail!("{a} cannot be a gateway's address: {problem}");
+            }
         }
         let mut ebpf = Ebpf::load(objects::DECAP).context("loading the decap object")?;
         let mut peers: BpfHashMap<_, TunnelPeer, u8> = BpfHashMap::try_from(
@@ -102,18 +104,22 @@ impl Decap {
     }
 }
 
-/// `decap`: attaches to every interface, then waits for SIGINT or SIGTERM, detaches (by
-/// dropping the program) and prints the counters.
+/// `decap`: attaches to every interface, then prints the counters at each SIGUSR1, and at
+/// SIGINT or SIGTERM detaches (by dropping the program) and prints them a last time.
 pub async fn run(interfaces: &[String], gateways: &[IpAddr], mode: XdpMode) -> Result<()> {
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut usr1 = signal(SignalKind::user_defined1()).context("installing the SIGUSR1 handler")?;
     let mut decap = Decap::load(gateways)?;
     for interface in interfaces {
         decap.attach(interface, mode)?;
     }
-    tokio::select! {
-        _ = int.recv() => {}
-        _ = term.recv() => {}
+    loop {
+        tokio::select! {
+            _ = int.recv() => break,
+            _ = term.recv() => break,
+            _ = usr1.recv() => println!("{}\n", render(&decap.counters()?)),
+        }
     }
     let counters = decap.counters()?;
     drop(decap);
@@ -147,7 +153,7 @@ mod tests {
         let many: Vec<String> = (0..65).map(|i| format!("10.4.1.{i}")).collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
         assert!(refused(&many).contains("name 1 to 64 gateways"));
-        for bad in ["0.0.0.0", "127.0.0.1", "ff02::1", "::"] {
+        for bad in ["0.0.0.0", "127.0.0.1", "ff02::1", "::", "::ffff:10.4.0.1"] {
             let said = refused(&["10.4.0.1", bad]);
             assert!(
                 said.contains(&format!("{bad} cannot be a gateway's address")),

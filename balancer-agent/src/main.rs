@@ -183,7 +183,8 @@ enum Command {
     },
     /// On a server of a `forwarding = "tunnel"` pool: take the gateways' outer header off
     /// in XDP, on these interfaces, until SIGINT or SIGTERM (then detach and print the
-    /// counters). The server also needs the VIP on a loopback (docs/operations.md).
+    /// counters; SIGUSR1 prints them meanwhile). The server also needs the VIP on a
+    /// loopback (docs/operations.md).
     Decap {
         /// An interface the tunnelled packets arrive on (repeat for several).
         #[arg(long = "interface", required = true, value_name = "NAME")]
@@ -325,6 +326,9 @@ fn execute(command: Command) -> Result<()> {
             }
             balancer_agent::access::load(&c)?;
             println!("{}: ok", config.display());
+            for warning in balancer_agent::run::foreign_tunnel_sources(&c) {
+                println!("warning: {warning}");
+            }
             if let Some(s) = &c.sync {
                 let peers: Vec<String> = s.peers.iter().map(ToString::to_string).collect();
                 println!(

@@ -46,6 +46,16 @@ pub enum NotDirect {
     NoRoute { to: IpAddr, kind: String },
 }
 
+/// What a pool with direct server return needs of the gateway's route to a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// `dsr`: the server itself is the next hop, on a link the program is attached to.
+    OnLink,
+    /// `tunnel`: the outer header's route, from `source` (the pool's `tunnel_source`), leaves
+    /// by a link the program is attached to; routers are fine.
+    Tunnel { source: IpAddr },
+}
+
 /// Asks the kernel's FIB, over rtnetlink, in the agent's network namespace.
 pub struct Routes {
     handle: Handle,
@@ -60,24 +70,25 @@ impl Routes {
         Ok(Routes { handle })
     }
 
-    /// Ok when the FIB's route for TCP to `server` leaves by the `attached` interfaces (on
-    /// every path, if the route has several) and, with `on_link` (DSR), has the server itself
-    /// as next hop; a [`NotDirect`] error when it does not, any other when the kernel could
-    /// not be asked. A tunnel's outer packets may go through routers.
-    pub async fn direct(
-        &self,
-        server: SocketAddr,
-        attached: &[String],
-        on_link: bool,
-    ) -> Result<()> {
+    /// Ok when the FIB's route to `server` for the packets the program sends it (TCP to its
+    /// port; through a tunnel, the outer header's, from its source) leaves by the
+    /// `attached` interfaces (on every path, if the route has several) and, for DSR, has the
+    /// server itself as next hop; a [`NotDirect`] error when it does not, any other when the
+    /// kernel could not be asked.
+    pub async fn direct(&self, server: SocketAddr, attached: &[String], path: Path) -> Result<()> {
         let to = server.ip();
         let prefix = if to.is_ipv4() { 32 } else { 128 };
-        let mut request = RouteMessageBuilder::<IpAddr>::new()
+        let builder = RouteMessageBuilder::<IpAddr>::new()
             .destination_prefix(to, prefix)
-            .context("a route request")?
-            .ip_protocol(IPPROTO_TCP)
-            .dport(server.port())
-            .build();
+            .context("a route request")?;
+        let mut request = match path {
+            Path::OnLink => builder.ip_protocol(IPPROTO_TCP).dport(server.port()),
+            // No protocol: the kernel answers such questions for TCP, UDP and ICMP only.
+            Path::Tunnel { source } => builder
+                .source_prefix(source, prefix)
+                .context("a route request")?,
+        }
+        .build();
         request.header.flags = RouteFlags::FibMatch;
         let answer = match self.handle.route().get(request).execute().try_next().await {
             Ok(Some(answer)) => answer,
@@ -92,7 +103,7 @@ impl Routes {
             }
             Err(e) => return Err(e).with_context(|| format!("asking the route to {to}")),
         };
-        verdict(to, &answer, attached, on_link).map_err(Into::into)
+        verdict(to, &answer, attached, path == Path::OnLink).map_err(Into::into)
     }
 }
 

@@ -59,6 +59,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     // Before any map is written: with pins, the maps are the running program's, and a start
     // refused for a typo must leave them as they are.
     require_interfaces(&config)?;
+    for warning in foreign_tunnel_sources(&config) {
+        warn!("{warning}");
+    }
     let access = access::load(&config)?;
     // Both listeners before the program is attached: a port that is taken must fail the
     // start, not leave a program attached behind.
@@ -247,6 +250,25 @@ impl Tasks {
     }
 }
 
+/// What to say of each pool whose `tunnel_source` is not an address of this host (nothing
+/// can bind it): its servers' ICMP errors about the tunnel would go elsewhere. Said, not
+/// refused: the address may come later (a failover daemon's, say).
+pub fn foreign_tunnel_sources(config: &Config) -> Vec<String> {
+    config
+        .pool
+        .iter()
+        .filter_map(|p| {
+            let source = p.tunnel_source?;
+            let error = std::net::UdpSocket::bind((source, 0)).err()?;
+            Some(format!(
+                "pool {}: tunnel_source {source} is not an address of this host ({error}): \
+                 the servers' answers about the tunnel would not come here",
+                p.name
+            ))
+        })
+        .collect()
+}
+
 /// Every interface the configuration names exists: checked before anything is applied, so
 /// that a typo changes nothing.
 pub fn require_interfaces(config: &Config) -> Result<()> {
@@ -317,18 +339,24 @@ fn reload(path: &Path, ctl: &Shared, sender: Option<&sync::Sender>) -> Result<Re
         _ => None,
     };
     for pool in &new.pool {
-        let same_vip = |p: &&Pool| (p.vip, p.port) == (pool.vip, pool.port);
-        if let Some(old) = c.config().pool.iter().find(same_vip) {
-            // Refused whole, not kept as it was: the file's servers may fit only the new mode.
-            if old.forwarding != pool.forwarding {
-                bail!(
-                    "pool {}: forwarding changes only when the agent restarts (it would cut \
-                     the pool's open connections)",
-                    pool.name
-                );
-            }
+        // By VIP (its open connections) and by name (its servers keep their ids, and the next
+        // hops their flows cached, which are of the old mode's shape).
+        let same = |p: &&Pool| (p.vip, p.port) == (pool.vip, pool.port) || p.name == pool.name;
+        // Refused whole, not kept as it was: the file's servers may fit only the new mode.
+        if c.config()
+            .pool
+            .iter()
+            .filter(same)
+            .any(|old| old.forwarding != pool.forwarding)
+        {
+            bail!(
+                "pool {}: forwarding changes only when the agent restarts (it would cut the \
+                 pool's open connections)",
+                pool.name
+            );
         }
     }
+    warnings.extend(foreign_tunnel_sources(&new));
     let pools = new.pool.len();
     let interfaces = new.agent.interfaces.clone();
     let running = c.config().agent.interfaces.clone();
@@ -554,9 +582,8 @@ async fn health_loop(ctl: Shared, routes: Routes) {
                 let api = t.key.1;
                 let limit = Duration::from_millis(timeout_ms);
                 let result = async {
-                    if let Some(how) = t.direct {
-                        let on_link = how == crate::config::Forwarding::Dsr;
-                        match routes.direct(api, attached, on_link).await {
+                    if let Some(path) = t.direct {
+                        match routes.direct(api, attached, path).await {
                             Err(e) if e.is::<NotDirect>() => return Err(e),
                             // Our failure, not the server's: the program still
                             // refuses what does not suit (`drop_dsr_routed`,
@@ -869,5 +896,22 @@ mod tests {
         );
         keep_restart_only(&mut config("", false, 10), &running).unwrap();
         keep_restart_only(&mut config("", false, 5), &config("", false, 600)).unwrap();
+    }
+
+    /// A tunnel's source that no socket can bind is said, naming the pool; an address of
+    /// the host is not (the loopback's, which every host has, stands in for one here).
+    #[test]
+    fn a_tunnel_source_of_another_host_is_said() {
+        let mut c = config("", false, 600);
+        assert!(foreign_tunnel_sources(&c).is_empty());
+        c.pool[0].tunnel_source = Some("127.0.0.1".parse().unwrap());
+        assert!(foreign_tunnel_sources(&c).is_empty());
+        c.pool[0].tunnel_source = Some("192.0.2.99".parse().unwrap());
+        let said = foreign_tunnel_sources(&c);
+        assert_eq!(said.len(), 1);
+        assert!(
+            said[0].starts_with("pool p: tunnel_source 192.0.2.99 is not an address of this host"),
+            "{said:?}"
+        );
     }
 }

@@ -138,11 +138,13 @@ pub const IPPROTO_IPIP: u8 = 4;
 pub const IPPROTO_IPV6: u8 = 41;
 
 /// The flow label of a tunnelled IPv6 packet's outer header (RFC 6438): one per connection
-/// (its client's port and address, as the packet carries them), so that routers that spread
-/// flows over paths by the label spread the tunnel's, whose outer addresses are all alike.
+/// (its client's port and the last 32 bits of its address, as the packet carries them), so
+/// that routers that spread flows over paths by the label spread the tunnel's, whose outer
+/// addresses are all alike.
 #[inline(always)]
 pub fn tunnel_flow_label(key: &FlowKey) -> u32 {
-    (u32::from(key.sport) << 4 ^ key.src[3]) & 0xf_ffff
+    let word = key.src[3];
+    (word ^ word >> 12 ^ u32::from(key.sport) << 4) & 0xf_ffff
 }
 
 /// The servers of one hint bucket: `ids[0]` is the home, the rest warm alternates that

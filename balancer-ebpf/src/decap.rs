@@ -86,8 +86,8 @@ fn strip(ctx: &XdpContext) -> Result<(), DecapCounter> {
             let bytes = hdr[0].to_ne_bytes();
             let more = hdr[1].to_ne_bytes();
             let proto = hdr[2].to_ne_bytes()[1];
-            // No options, not a fragment: the kernel reassembles those, and its tunnel device
-            // can take the whole packet then.
+            // No options, not a fragment: the gateway's outer header has neither (it sets
+            // don't-fragment), so such a packet is someone else's.
             if bytes[0] != 0x45 || proto != IPPROTO_IPIP || (more[2] & 0x3f) | more[3] != 0 {
                 return Err(DecapCounter::PassNotTunnel);
             }

@@ -32,6 +32,7 @@ pub struct Packet {
     pub key: FlowKey,
     pub tcp_flags: u8,
     pub ttl: u8,
+    /// IPv4's TOS, IPv6's traffic class.
     pub tos: u8,
     /// May not be fragmented on the way: IPv4 with don't-fragment set, and all of IPv6.
     pub df: bool,
@@ -195,7 +196,7 @@ fn parse_v6(ctx: &XdpContext, l3: usize, frame_len: usize, vlan: bool) -> Result
         },
         tcp_flags: flags,
         ttl: head[7],
-        tos: 0,
+        tos: head[0] << 4 | head[1] >> 4,
         df: true,
         // With its header, a payload of near 64 KiB (a coalesced frame, in generic mode)
         // passes 16 bits: saturated rather than wrapped, it is too big for any MTU still.

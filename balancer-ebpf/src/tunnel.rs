@@ -19,6 +19,14 @@ use crate::{
 /// was decremented for this hop and is left alone inside the tunnel).
 const OUTER_TTL: u8 = 64;
 
+/// The outer header's TOS or traffic class: the inner packet's DSCP, and no ECN capability
+/// (RFC 6040's compatibility mode), so that a router on the way drops rather than marks
+/// congestion on the outer header, which `decap` does not carry over to the inner one.
+#[inline(always)]
+fn outer_tos(inner: u8) -> u8 {
+    inner & 0xfc
+}
+
 /// Bytes the outer header adds to a packet of `family`.
 #[inline(always)]
 pub fn overhead(family: u8) -> u16 {
@@ -74,16 +82,18 @@ fn outer_v4(ctx: &XdpContext, pkt: &Packet, (src, dst): (u32, u32)) -> Result<()
     let ip = ETH_HLEN;
     let inner = ip + V4_HLEN;
     let total = pkt.len.checked_add(V4_HLEN as u16).ok_or(())?;
-    // Identification and flags as the inner packet has them: don't-fragment must be kept
-    // (RFC 2003, 3.1), and should the outer packet be fragmented, its fragments need the
-    // identification the sender made unique. The inner packet is never a fragment.
-    let id_flags: u32 = get(ctx, inner + 4)?;
+    // Don't-fragment always: every outer packet shares its addresses and protocol, so the
+    // clients' identifications could collide in a reassembly on the way; a packet that
+    // needs fragmenting is answered (or dropped) here instead. The identification is the
+    // inner packet's, as good as any on a packet never fragmented (RFC 6864).
+    let id: u16 = get(ctx, inner + 4)?;
     put(
         ctx,
         ip,
-        u32::to_be(0x4500_0000 | u32::from(pkt.tos) << 16 | u32::from(total)),
+        u32::to_be(0x4500_0000 | u32::from(outer_tos(pkt.tos)) << 16 | u32::from(total)),
     )?;
-    put(ctx, ip + 4, id_flags)?;
+    put(ctx, ip + 4, id)?;
+    put(ctx, ip + 6, 0x4000u16.to_be())?;
     put(
         ctx,
         ip + 8,
@@ -103,7 +113,8 @@ fn outer_v4(ctx: &XdpContext, pkt: &Packet, (src, dst): (u32, u32)) -> Result<()
 fn outer_v6(ctx: &XdpContext, pkt: &Packet, (src, dst): (&[u32; 4], &[u32; 4])) -> Result<(), ()> {
     let ip = ETH_HLEN;
     let label = tunnel_flow_label(&pkt.key);
-    put(ctx, ip, u32::to_be(0x6000_0000 | label))?;
+    let class = u32::from(outer_tos(pkt.tos)) << 20;
+    put(ctx, ip, u32::to_be(0x6000_0000 | class | label))?;
     put(ctx, ip + 4, pkt.len.to_be())?;
     put(
         ctx,

@@ -168,6 +168,13 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     ensure!(drops.is_empty(), "packets dropped: {drops:?}");
     agent.stop()?;
 
+    // Asked while it runs, then at its end.
+    let from = decap.output_len();
+    decap.signal(libc::SIGUSR1)?;
+    let line = decap.wait_for_line(from, Duration::from_secs(5), |line| {
+        line.starts_with("decapsulated ")
+    })?;
+    println!("decap, asked with SIGUSR1: {}", line.trim());
     decap.stop(Duration::from_secs(5))?;
     let said = decap.output();
     let taken = said

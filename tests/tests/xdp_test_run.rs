@@ -593,6 +593,33 @@ fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> 
         verdict == XDP_PASS && out == forwarded,
         "{fam} tunnel ICMP error, decapsulated: verdict {verdict}"
     );
+    // DSCP EF and ECT(1): the DSCP goes out on the outer header, the ECN capability not (a
+    // mark on the outer header would be lost at the server), and the inner packet keeps
+    // both. And an IPv4 packet without don't-fragment gets it on the outer header.
+    let marked = data(&syn.with(|f| f.sport = 43005), 100);
+    let open = syn.with(|f| f.sport = 43005);
+    h.expect(
+        &format!("{fam} tunnel SYN before a marked packet"),
+        g0,
+        &open.bytes(),
+        XDP_REDIRECT,
+        &encapsulated(&inside(&open), src, n.routed),
+        Counter::FlowNewSyn,
+    )?;
+    let mut sent = with_tos(marked.bytes(), 0xb9);
+    let mut inner = with_tos(inside(&marked).bytes(), 0xb9);
+    if n.client.is_ipv4() {
+        sent = without_df(sent);
+        inner = without_df(inner);
+    }
+    h.expect(
+        &format!("{fam} tunnel, DSCP and ECN marked"),
+        g0,
+        &sent,
+        XDP_REDIRECT,
+        &encapsulated_bytes(&inner, (n.client, 43005), src, n.routed),
+        Counter::Encapsulated,
+    )?;
     // A tagged frame: XDP cannot send on a VLAN device, the stack would route by the VIP.
     let tagged = syn.with(|f| {
         f.vlan = Some(7);
@@ -626,9 +653,9 @@ fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> 
 }
 
 /// `inner` (an Ethernet frame) as the gateway tunnels it from `src` to `dst`: the same
-/// MACs, then the outer header (TTL 64; for IPv4 the inner packet's identification and
-/// don't-fragment, for IPv6 the flow label of the connection from `client`), then the
-/// inner IP packet.
+/// MACs, then the outer header (TTL 64, the inner packet's DSCP without its ECN bits; for
+/// IPv4 the inner packet's identification and don't-fragment set, for IPv6 the flow label
+/// of the connection from `client`), then the inner IP packet.
 fn encapsulated(inner: &Frame, src: IpAddr, dst: IpAddr) -> Vec<u8> {
     encapsulated_bytes(&inner.bytes(), (inner.src, inner.sport), src, dst)
 }
@@ -648,7 +675,8 @@ fn encapsulated_bytes(bytes: &[u8], client: (IpAddr, u16), src: IpAddr, dst: IpA
             )
             .unwrap();
             ip.identification = u16::from_be_bytes([packet[4], packet[5]]);
-            ip.dont_fragment = packet[6] & 0x40 != 0;
+            ip.dont_fragment = true;
+            ip.dscp = etherparse::IpDscp::try_new(packet[1] >> 2).unwrap();
             ip.header_checksum = ip.calc_header_checksum();
             out.extend(ip.to_bytes());
         }
@@ -660,7 +688,7 @@ fn encapsulated_bytes(bytes: &[u8], client: (IpAddr, u16), src: IpAddr, dst: IpA
                 ..Default::default()
             };
             let ip = Ipv6Header {
-                traffic_class: 0,
+                traffic_class: (packet[0] << 4 | packet[1] >> 4) & 0xfc,
                 flow_label: etherparse::Ipv6FlowLabel::try_new(tunnel_flow_label(&key)).unwrap(),
                 payload_length: packet.len() as u16,
                 next_header: etherparse::IpNumber::IPV6,
@@ -2558,6 +2586,21 @@ fn icmp_error(
 }
 
 /// An IPv4 frame without VLAN tag with its don't-fragment flag cleared, checksum fixed.
+/// `frame` with TOS (IPv4, checksum fixed) or traffic class (IPv6) `tos`.
+fn with_tos(mut frame: Vec<u8>, tos: u8) -> Vec<u8> {
+    if frame[12..14] == [0x08, 0x00] {
+        let (mut ip, _) = Ipv4Header::from_slice(&frame[14..]).unwrap();
+        ip.dscp = etherparse::IpDscp::try_new(tos >> 2).unwrap();
+        ip.ecn = etherparse::IpEcn::try_new(tos & 3).unwrap();
+        ip.header_checksum = ip.calc_header_checksum();
+        frame[14..34].copy_from_slice(&ip.to_bytes());
+    } else {
+        frame[14] = (frame[14] & 0xf0) | tos >> 4;
+        frame[15] = (frame[15] & 0x0f) | tos << 4;
+    }
+    frame
+}
+
 fn without_df(mut frame: Vec<u8>) -> Vec<u8> {
     let (mut ip, _) = Ipv4Header::from_slice(&frame[14..]).unwrap();
     ip.dont_fragment = false;
