@@ -689,6 +689,20 @@ metrics_port = 8000
         );
     }
 
+    #[test]
+    fn check_says_which_pools_go_through_a_tunnel() {
+        let text = "[agent]\ninterfaces = [\"eth0\"]\n[[pool]]\nname = \"far\"\n\
+            vip = \"192.0.2.61\"\nport = 8000\nforwarding = \"tunnel\"\n\
+            tunnel_source = \"10.4.0.1\"\n[[pool.server]]\naddress = \"10.6.0.2\"\n\
+            port = 8000\nmetrics_port = 8001\n";
+        let c = Config::parse(Path::new("tunnel.toml"), text).unwrap();
+        assert_eq!(
+            pools(&c),
+            "pool far 192.0.2.61:8000 (1 servers, direct server return through a tunnel)\n  \
+             10.6.0.2:8000 weight 100\n"
+        );
+    }
+
     /// A wait too long for the clock is refused as an argument, not a panic mid-wait.
     #[test]
     fn drain_timeout_is_bounded() {
