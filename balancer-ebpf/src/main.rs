@@ -148,9 +148,11 @@ fn vip_of(pkt: &Packet) -> VipKey {
 #[inline(always)]
 fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
     if let Some(vip) = VIPS.get_ptr(vip_of(pkt)) {
-        // SAFETY: a pointer from a successful lookup is valid for this program run; the agent
-        // replaces a hash map's values whole, so the fields read are of one version. Not
-        // copied: the TCP path has no stack to spare.
+        // SAFETY: a pointer from a successful lookup is valid for this program run. Read in
+        // place, not copied (the TCP path has no stack to spare): should the agent rewrite
+        // this VIP and then another while this run reads it, the kernel may hand this
+        // element to the second, and the packet goes by a mix of their settings, as a copy
+        // taken mid-rewrite would. The agent rewrites a VIP at most once a scrape round.
         return forward(ctx, pkt, unsafe { &*vip });
     }
     if let Some((vip, flow, entry, now)) = replied_flow(pkt) {

@@ -56,6 +56,15 @@ impl Netns {
         run(Command::new("ip").args(["-n", &self.name]).args(args))
     }
 
+    /// Packets received so far on interface `dev`.
+    pub fn rx_packets(&self, dev: &str) -> Result<u64> {
+        let json: serde_json::Value =
+            serde_json::from_str(&self.ip(&["-j", "-s", "link", "show", dev])?)?;
+        json[0]["stats64"]["rx"]["packets"]
+            .as_u64()
+            .with_context(|| format!("no rx packet count for {dev} in {json}"))
+    }
+
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         self.exec("sysctl", &["-q", "-w", &format!("{key}={value}")])
             .map(drop)

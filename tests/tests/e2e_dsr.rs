@@ -30,7 +30,7 @@ use balancer_tests::netns::Netns;
 use balancer_tests::sim::client::{self, read_on, Stream};
 use balancer_tests::topology::{backend_name, Family, Topology, BACKENDS, BACKEND_PORT};
 use balancer_tests::{check_nothing_remains, serial};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const SIM: &str = env!("CARGO_BIN_EXE_inference-sim");
 const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
@@ -184,14 +184,6 @@ fn probe(client: &Netns, when: &str) -> Result<Vec<String>> {
     })
 }
 
-/// Packets received so far on the client's interface `dev`.
-fn rx_packets(client: &Netns, dev: &str) -> Result<u64> {
-    let json: Value = serde_json::from_str(&client.ip(&["-j", "-s", "link", "show", dev])?)?;
-    json[0]["stats64"]["rx"]["packets"]
-        .as_u64()
-        .with_context(|| format!("no rx packet count for {dev} in {json}"))
-}
-
 fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
     // On their own IPv6 address (the IPv4 one is the default) and on both VIPs.
     let args: Vec<Vec<String>> = (0..BACKENDS)
@@ -232,7 +224,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         );
     }
     let client = topology.client();
-    let (via_gateway, via_switch) = (rx_packets(client, "c0")?, rx_packets(client, "c2")?);
+    let (via_gateway, via_switch) = (client.rx_packets("c0")?, client.rx_packets("c2")?);
 
     let mut readers = Vec::new();
     let mut carrying = BTreeSet::new();
@@ -338,8 +330,8 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         );
     }
 
-    let via_gateway = rx_packets(client, "c0")? - via_gateway;
-    let via_switch = rx_packets(client, "c2")? - via_switch;
+    let via_gateway = client.rx_packets("c0")? - via_gateway;
+    let via_switch = client.rx_packets("c2")? - via_switch;
     let counters = agent.counters()?;
     println!(
         "{tokens} tokens; the client received {via_switch} packets from the switch and \

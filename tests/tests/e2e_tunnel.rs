@@ -19,11 +19,9 @@ use balancer_agent::config::Forwarding;
 use balancer_agent::control::PoolView;
 use balancer_tests::agent::{agent_binary, Agent, AgentConfig, PoolViewExt};
 use balancer_tests::client::{self, SseStream};
-use balancer_tests::netns::Netns;
 use balancer_tests::process::Process;
 use balancer_tests::topology::{Family, Topology};
 use balancer_tests::{check_nothing_remains, serial};
-use serde_json::Value;
 
 const SSE_SERVER: &str = env!("CARGO_BIN_EXE_sse-server");
 const XDP_PASS: &str = env!("CARGO_BIN_EXE_xdp-pass");
@@ -57,14 +55,6 @@ fn streams_and_uploads_through_a_tunnel_to_a_server_beyond_a_router() {
     }
     drop(topology);
     check_nothing_remains().unwrap();
-}
-
-/// Packets received so far on the client's interface `dev`.
-fn rx_packets(client: &Netns, dev: &str) -> Result<u64> {
-    let json: Value = serde_json::from_str(&client.ip(&["-j", "-s", "link", "show", dev])?)?;
-    json[0]["stats64"]["rx"]["packets"]
-        .as_u64()
-        .with_context(|| format!("no rx packet count for {dev} in {json}"))
 }
 
 fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
@@ -105,7 +95,7 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         );
     }
     let client = topology.client();
-    let (via_gateway, via_switch) = (rx_packets(client, "c0")?, rx_packets(client, "c2")?);
+    let (via_gateway, via_switch) = (client.rx_packets("c0")?, client.rx_packets("c2")?);
 
     for ((pool, family, ..), port) in POOLS.into_iter().zip([45001, 45002]) {
         let vip = family.vip();
@@ -143,8 +133,8 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         );
     }
 
-    let via_gateway = rx_packets(client, "c0")? - via_gateway;
-    let via_switch = rx_packets(client, "c2")? - via_switch;
+    let via_gateway = client.rx_packets("c0")? - via_gateway;
+    let via_switch = client.rx_packets("c2")? - via_switch;
     let counters = agent.counters()?;
     let counter = |name: &str| counters.get(name).copied().unwrap_or(0);
     println!(

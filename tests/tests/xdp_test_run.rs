@@ -214,6 +214,15 @@ fn to_backend(f: &Frame, n: &Net, dmac: [u8; 6]) -> Frame {
     })
 }
 
+/// `f` as we send it on unchanged (DSR, or inside a tunnel): from `smac` to `dmac`, TTL - 1.
+fn hop(f: &Frame, smac: [u8; 6], dmac: [u8; 6]) -> Frame {
+    f.with(|f| {
+        f.smac = smac;
+        f.dmac = dmac;
+        f.ttl -= 1;
+    })
+}
+
 /// `f` carrying `bulk` bytes of data (flags PA).
 fn data(f: &Frame, bulk: usize) -> Frame {
     f.with(|f| {
@@ -500,13 +509,7 @@ fn tunnel(h: &mut Harness, decap: &mut Decap, n: &Net, src: IpAddr, id: u32) -> 
     let (g0, g1) = (h.g0, h.g1);
     let syn = client_syn(n, n.vip_dsr, 43001);
     // What the router (the backend's MAC) gets, and what the server finds inside.
-    let inside = |f: &Frame| {
-        f.with(|f| {
-            f.smac = MAC_G1;
-            f.dmac = MAC_BACKEND;
-            f.ttl -= 1;
-        })
-    };
+    let inside = |f: &Frame| hop(f, MAC_G1, MAC_BACKEND);
     let s0 = h.stats(id);
     for (what, frame, counter) in [
         ("SYN", syn.clone(), Counter::FlowNewSyn),
@@ -2308,13 +2311,6 @@ fn direct_server_return(h: &mut Harness, n: &Net, backend_id: u32) -> Result<()>
     let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
     let (g0, g1) = (h.g0, h.g1);
     let syn = client_syn(n, n.vip_dsr, 41001);
-    let hop = |f: &Frame, smac, dmac| {
-        f.with(|f| {
-            f.smac = smac;
-            f.dmac = dmac;
-            f.ttl -= 1;
-        })
-    };
     let s0 = h.stats(backend_id);
     for (what, frame, counter) in [
         ("SYN", syn.clone(), Counter::FlowNewSyn),

@@ -266,6 +266,11 @@ fn header(
          (`perf record -a -g`, samples under `bpf_test_run`) put a third of the time in the \
          hash table's bucket walk (`lookup_nulls_elem_raw`, the cold entries), a tenth in \
          hashing the keys, a tenth in the timer, and a fifth in the program itself.\n\
+         - new connections/s, where it is missed: ours led nftables by 3 to 26% in each of \
+         the first 22 runs, and was level with it or just behind in the two runs after \
+         2026-12-03 16:52 (0.98x to 1.00x), with the rounds swapping order (per-round table \
+         in section 2). Not explained yet: the program's own cost per packet did not move \
+         (section 1), and the gateway's CPU per connection stayed the lowest.\n\
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ; ours had the lowest in 12 of the first 19 runs. In a run that looked \
