@@ -886,7 +886,8 @@ mod tests {
     #[test]
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<VipKey>(), 20);
-        assert_eq!(size_of::<VipInfo>(), 24);
+        assert_eq!(size_of::<VipInfo>(), 44);
+        assert_eq!(size_of::<TunnelPeer>(), 20);
         assert_eq!(size_of::<Bucket>(), 16);
         assert_eq!(size_of::<BackendLoad>(), 24);
         assert_eq!(size_of::<BucketStats>(), 48);
