@@ -522,7 +522,9 @@ fn build_agent(release: bool) -> Result<PathBuf> {
     } else {
         &BUILD_ARGS
     };
-    let output = Command::new(cargo)
+    let mut cargo = Command::new(cargo);
+    without_run_env(&mut cargo);
+    let output = cargo
         .current_dir(workspace)
         .args(args)
         .arg("--message-format=json")

@@ -35,10 +35,15 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+include!("../../tests/src/build_args.rs");
+
 /// `cargo` from PATH rather than `$CARGO`: `$CARGO` points at the toolchain
-/// binary and would bypass rustup's `+toolchain` handling.
+/// binary and would bypass rustup's `+toolchain` handling. Without the environment Cargo
+/// set for the xtask itself, as the tests' own builds do without theirs.
 pub fn cargo() -> Command {
-    Command::new("cargo")
+    let mut cargo = Command::new("cargo");
+    without_run_env(&mut cargo);
+    cargo
 }
 
 /// Human-readable rendering of a command, including env overrides.
