@@ -148,19 +148,20 @@ fn main() -> Result<()> {
     } else {
         Plan {
             intervals: [
+                // 150 rounds at 100 ms, 20 at 1 s, 10 of health checks.
                 (
                     Duration::from_millis(100),
                     Duration::from_secs(3),
-                    Duration::from_secs(20),
+                    Duration::from_secs(15),
                 ),
                 (
                     Duration::from_secs(1),
                     Duration::from_secs(3),
-                    Duration::from_secs(30),
+                    Duration::from_secs(20),
                 ),
             ],
             fill: FLOW_ENTRIES,
-            health: (Duration::from_secs(3), Duration::from_secs(15)),
+            health: (Duration::from_secs(3), Duration::from_secs(10)),
         }
     };
     balancer_tests::require_root()?;

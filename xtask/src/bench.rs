@@ -290,10 +290,11 @@ fn header(
          hash table's bucket walk (`lookup_nulls_elem_raw`, the cold entries), a tenth in \
          hashing the keys, a tenth in the timer, and a fifth in the program itself.\n\
          - new connections/s, where it is missed: ours led nftables by 3 to 26% in each of \
-         the first 22 runs, and was level with it or just behind in the two runs after \
+         the first 22 runs, was level with it or just behind in the two runs after \
          2026-12-03 16:52 (0.98x to 1.00x), with the rounds swapping order (per-round table \
-         in section 2). Not explained yet: the program's own cost per packet did not move \
-         (section 1), and the gateway's CPU per connection stayed the lowest.\n\
+         in section 2), and 7% ahead again in the next (2026-12-07, another host) with the \
+         same data path: the machine's swing, as far as we know; the gateway's CPU per \
+         connection stayed the lowest.\n\
          - connect-to-first-byte p99, where it is missed: one system's p99 moves by up to 4x \
          from round to round on this shared machine (per-round table in section 2), more than \
          the systems differ; ours had the lowest in 12 of the first 19 runs. In a run that looked \
@@ -326,12 +327,12 @@ fn header(
          its user prompts are never shared, so the tail is queueing that no placement removes; \
          hints raise the prefix-cache hit rate, not enough to halve it. The p99 of 511 \
          requests is the sixth slowest, and one policy's p99 moves by more than a second \
-         between runs: hints had the lowest in 6 of the 18 runs of this workload with the \
-         tight cache and 3 with the roomy one.\n\
+         between runs: hints had the lowest in 9 of the 24 runs of this workload with the \
+         tight cache and 4 with the roomy one.\n\
          - hit rate, where it is close: every policy sends each server the popular preambles \
          about every second, so they stay warm everywhere; hints can win only on the rarer \
          ones, a few points at most, and one policy's hit rate moves by about a point between \
-         runs: hints had the highest in 13 of those 18 runs with the tight cache and 9 \
+         runs: hints had the highest in 19 of those 24 runs with the tight cache and 12 \
          with the roomy one.\n\n",
         if quick { " --quick" } else { "" },
         total.as_secs_f64(),
