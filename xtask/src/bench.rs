@@ -173,10 +173,7 @@ fn run_logged(command: &mut Command, log: &Path) -> Result<()> {
 /// what the agent's build script printed when it built the XDP program, as warnings.
 fn check_not_rebuilt(log: &Path) -> Result<()> {
     let text = read(log)?;
-    let compiled: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("   Compiling "))
-        .collect();
+    let compiled = compiled(&text);
     ensure!(
         compiled.is_empty(),
         "{}: the benchmark compiled {} crate(s) before it ran, after the build: {}",
@@ -185,6 +182,13 @@ fn check_not_rebuilt(log: &Path) -> Result<()> {
         compiled.join(", ")
     );
     Ok(())
+}
+
+/// The crates Cargo says it compiled in `log`.
+fn compiled(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter_map(|l| l.strip_prefix("   Compiling "))
+        .collect()
 }
 
 fn read(path: &Path) -> Result<String> {
@@ -340,4 +344,29 @@ fn header(
         build.as_secs_f64(),
     );
     Ok(doc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compiled;
+
+    #[test]
+    fn counts_cargo_compiling_lines_not_the_build_scripts_replayed_ones() {
+        let log = "warning: balancer-agent@0.1.0:    Compiling aya-ebpf v0.2.1\n\
+                   warning: balancer-agent@0.1.0:     Finished `release` profile\n\
+                   \x20  Compiling ring v0.17.14\n\
+                   \x20  Compiling balancer-agent v0.1.0 (/work/main/balancer-agent)\n\
+                   \x20   Finished `bench` profile [optimized] target(s) in 1m 05s\n\
+                   \x20    Running benches/routing.rs\n";
+        assert_eq!(
+            compiled(log),
+            [
+                "ring v0.17.14",
+                "balancer-agent v0.1.0 (/work/main/balancer-agent)"
+            ]
+        );
+        assert!(
+            compiled("    Finished `bench` profile [optimized] target(s) in 0.15s\n").is_empty()
+        );
+    }
 }
