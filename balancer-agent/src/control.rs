@@ -102,6 +102,11 @@ pub struct PoolView {
     #[serde(default)]
     pub forwarding: Forwarding,
     pub servers: Vec<ServerRow>,
+    /// Client packets to the VIP that the program dropped, whatever the reason (`counters`
+    /// says which), since the VIP took its place in the maps; absent from an older agent's
+    /// answer.
+    #[serde(default)]
+    pub dropped: u64,
 }
 
 /// One server. `None` is a signal the server does not publish (or has not yet).
@@ -352,6 +357,13 @@ pub fn render(view: &PoolView) -> String {
         view.vip,
         columns(&rows)
     );
+    if view.dropped > 0 {
+        let _ = writeln!(
+            out,
+            "{} packets to the VIP dropped (why: balancer-agent counters)",
+            view.dropped
+        );
+    }
     for s in &view.servers {
         if s.state == "DOWN" {
             let _ = writeln!(out, "{} is DOWN: {}", s.server, s.health);
@@ -647,6 +659,7 @@ mod tests {
             pool: "chat-pool".into(),
             vip: "192.0.2.60:8000".into(),
             forwarding: Forwarding::Nat,
+            dropped: 0,
             servers: vec![
                 row("10.4.0.11:8000", Some(0.61), Some(240.0), "UP"),
                 row("10.4.0.14:8000", None, None, "DRAINING"),
@@ -705,6 +718,11 @@ mod tests {
                 "10.4.0.15:8000 has stale metrics (no scrape yet): no error yet",
             ]
         );
+        // Said only when there were drops, before what is said of the servers.
+        view.dropped = 7;
+        assert!(render(&view).contains(
+            "\n7 packets to the VIP dropped (why: balancer-agent counters)\n10.4.0.12:8000 is DOWN"
+        ));
     }
 
     #[test]

@@ -1101,11 +1101,16 @@ impl Controller {
                 }
             })
             .collect();
+        let dropped = match self.vip_ids.get(&p.name) {
+            Some(&vip_id) => self.dp.vip_drops(vip_id)?,
+            None => 0,
+        };
         Ok(PoolView {
             pool: p.name.clone(),
             vip: SocketAddr::new(p.vip, p.port).to_string(),
             forwarding: p.forwarding,
             servers,
+            dropped,
         })
     }
 

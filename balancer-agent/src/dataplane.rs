@@ -163,6 +163,7 @@ pub struct Dataplane {
     maglev: MappedSlots,
     alternates: MappedSlots,
     counters: PerCpuArray<MapData, u64>,
+    vip_drops: PerCpuArray<MapData, u64>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     flows: BpfHashMap<MapData, FlowKey, FlowEntry>,
     /// The flow table's id, for a handle of its own (`sync::live_flows`).
@@ -276,6 +277,7 @@ impl Dataplane {
             ALTERNATES_SLOTS,
         )?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, "COUNTERS")?)?;
+        let vip_drops = PerCpuArray::try_from(take(&mut ebpf, "VIP_DROPS")?)?;
         let backend_stats = PerCpuArray::try_from(take(&mut ebpf, "BACKEND_STATS")?)?;
         let flows = take(&mut ebpf, "FLOWS")?;
         let flows_id = match &flows {
@@ -305,6 +307,7 @@ impl Dataplane {
             maglev,
             alternates,
             counters,
+            vip_drops,
             backend_stats,
             flows,
             flows_id,
@@ -469,6 +472,14 @@ impl Dataplane {
                     0
                 },
             };
+            if installed.is_none_or(|(key, _)| key != vip.key) {
+                // The id's count was another VIP's, or the VIP is new to the map (an agent
+                // that takes the maps over keeps the count of every VIP they had).
+                let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+                self.vip_drops
+                    .set(vip.vip_id, PerCpuValues::try_from(vec![0u64; cpus])?, 0)
+                    .with_context(|| format!("zeroing the drop count of pool {}", vip.pool))?;
+            }
             if installed != Some((vip.key, info)) {
                 self.vips
                     .insert(vip.key, info, 0)
@@ -966,6 +977,13 @@ impl Dataplane {
                 Ok((*c, values.iter().sum()))
             })
             .collect()
+    }
+
+    /// The client packets to VIP `vip_id` the program dropped, summed over CPUs, since the
+    /// VIP took that id.
+    pub fn vip_drops(&self, vip_id: u32) -> Result<u64> {
+        let values: PerCpuValues<u64> = self.vip_drops.get(&vip_id, 0)?;
+        Ok(values.iter().sum())
     }
 
     /// One backend's counters, summed over CPUs.

@@ -274,6 +274,17 @@ impl Collector for Snapshot {
                 f64::from(size),
             )?;
         }
+        counters(
+            &mut encoder,
+            "pool_dropped",
+            "Client packets to the pool's VIP that the XDP program dropped, whatever the \
+             reason (balancer_xdp_events_total says which), since the VIP took its place in \
+             the maps.",
+            self.pools.iter().map(|p| {
+                let labels: Labels = vec![("pool", p.pool.clone())];
+                (labels, p.dropped)
+            }),
+        )?;
         let servers = || {
             self.pools.iter().flat_map(|p| {
                 p.servers.iter().map(move |s| {
@@ -606,6 +617,7 @@ mod tests {
                     },
                     row("10.4.0.12:8000", "DRAINING", None),
                 ],
+                dropped: 9,
             }],
         };
         let text = render(snapshot).unwrap();
@@ -645,6 +657,10 @@ mod tests {
         assert_eq!(value("balancer_agent_events_total", None), [5.0]);
         assert_eq!(value("balancer_ready", None), [1.0]);
         assert_eq!(value("balancer_pool_hinted_total", None), [40.0]);
+        assert_eq!(
+            labelled("balancer_pool_dropped_total", "pool", Some("chat-pool")),
+            [9.0]
+        );
         assert_eq!(value("balancer_pool_hinted_home_total", None), [31.0]);
         assert_eq!(value("balancer_pool_hinted_spilled_total", None), [6.0]);
         assert_eq!(value("balancer_flow_table_entries", None), [1200.0]);

@@ -24,15 +24,16 @@ use crate::objects;
 
 /// Maps that hold no state to carry over (the ring of shared flows, the next-hop cache, the
 /// interfaces to send out of and which take frames in several buffers, the rate limits'
-/// allowances): one that an earlier build did
-/// not pin is created and pinned (and filled before the program runs), and the upgrade goes
-/// on.
-const CREATED_IF_MISSING: [&str; 5] = [
+/// allowances), or only counts that can start again from zero (the drops per VIP): one
+/// that an earlier build did not pin is created and pinned (and filled before the program
+/// runs), and the upgrade goes on.
+const CREATED_IF_MISSING: [&str; 6] = [
     "FLOW_EVENTS",
     "HOPS",
     "EGRESS",
     "EGRESS_FRAGS",
     "ALLOWANCES",
+    "VIP_DROPS",
 ];
 
 /// `f_type` of a bpffs mount (`BPF_FS_MAGIC`).

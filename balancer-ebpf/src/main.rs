@@ -36,7 +36,8 @@ use balancer_common::{
 use affinity::Hinted;
 use icmp_errors::Back;
 use maps::{
-    allowed, count, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV, REPLIES, VIPS,
+    allowed, count, count_vip_drop, ALTERNATES, BACKENDS, BACKEND_STATS, FLOWS, HOPS, MAGLEV,
+    REPLIES, VIPS,
 };
 use nat::{NoHop, Outer};
 use parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -153,7 +154,12 @@ fn route(ctx: &XdpContext, pkt: &Packet) -> u32 {
         // this VIP and then another while this run reads it, the kernel may hand this
         // element to the second, and the packet goes by a mix of their settings, as a copy
         // taken mid-rewrite would. The agent rewrites a VIP at most once a scrape round.
-        return forward(ctx, pkt, unsafe { &*vip });
+        let vip = unsafe { &*vip };
+        let verdict = forward(ctx, pkt, vip);
+        if verdict == XDP_DROP {
+            count_vip_drop(vip.vip_id);
+        }
+        return verdict;
     }
     if let Some((vip, flow, entry, now)) = replied_flow(pkt) {
         // SAFETY: valid for this run; fields are written whole.

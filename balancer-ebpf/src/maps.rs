@@ -1,6 +1,6 @@
 //! Every map of the program, one commented declaration each. The agent owns the
 //! configuration's maps; the program writes only the flow table, its caches (`HOPS`,
-//! `ALLOWANCES`), its counts (`COUNTERS`, `BACKEND_STATS`, `OPENS`, `CLOSES`,
+//! `ALLOWANCES`), its counts (`COUNTERS`, `VIP_DROPS`, `BACKEND_STATS`, `OPENS`, `CLOSES`,
 //! `BUCKET_STATS`) and the ring of shared flows (`FLOW_EVENTS`).
 
 use aya_ebpf::{
@@ -85,6 +85,11 @@ pub static ALLOWANCES: PerCpuArray<Allowance> = PerCpuArray::with_max_entries(Li
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
+/// Client packets to each VIP (by `VipInfo::vip_id`) that the program dropped, whatever the
+/// reason (`COUNTERS` says which), per CPU: which pool a rise of `drop_*` is about.
+#[map]
+pub static VIP_DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
+
 /// Flows opened and closed, packets and bytes, per backend id and per CPU: the agent's fresh
 /// picture of load between two scrapes of the servers' metrics.
 #[map]
@@ -127,6 +132,15 @@ pub static FLOW_EVENTS: RingBuf = RingBuf::with_byte_size(FLOW_EVENTS_BYTES, 0);
 #[inline(always)]
 pub fn count(c: Counter) {
     if let Some(v) = COUNTERS.get_ptr_mut(c as u32) {
+        // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
+        unsafe { *v += 1 };
+    }
+}
+
+/// One more client packet to VIP `vip_id` dropped.
+#[inline(always)]
+pub fn count_vip_drop(vip_id: u32) {
+    if let Some(v) = VIP_DROPS.get_ptr_mut(vip_id) {
         // SAFETY: per-CPU value; nothing else writes it while this program runs on this CPU.
         unsafe { *v += 1 };
     }

@@ -351,6 +351,14 @@ fn scenario(topology: &Topology, binary: &Path) -> Result<()> {
         .filter(|(name, value)| name.starts_with("drop_dsr") && **value > 0)
         .collect();
     ensure!(drops.is_empty(), "packets dropped: {drops:?}");
+    // And each pool's count of its VIP's drops, as `show` has it, agrees.
+    for (pool, _) in POOLS {
+        let dropped = agent.show(pool)?.dropped;
+        ensure!(
+            dropped == 0,
+            "show: {dropped} packets to {pool}'s VIP dropped"
+        );
+    }
 
     off_the_program_s_links(topology, &agent, index)?;
 

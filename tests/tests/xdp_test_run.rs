@@ -468,6 +468,7 @@ fn xdp_verdicts_and_bytes() -> Result<()> {
             a_syn_leaves_a_down_server(&mut h, n, &config, &id)?;
             direct_server_return(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
             dropped_dsr_syns_are_not_hinted(&mut h, n, &plan)?;
+            drops_are_counted_per_vip(&mut h, n, &plan)?;
             sent_only_where_attached(&mut h, n, vip_in(&plan, n.vip_dsr).members[0].1)?;
         }
         Ok(())
@@ -1863,6 +1864,35 @@ fn reloads_keep_every_vip() -> Result<()> {
         h.apply(&mut ids, &renamed)?;
         syn(&mut h, n.vip_nn, 41004, XDP_PASS, Counter::PassNoNeigh)?;
         syn(&mut h, n.vip_tx, 41005, XDP_REDIRECT, Counter::Redirect)?;
+        // "empty0" drops a SYN and leaves; the pools after it, renamed, take new ids, one of
+        // them its id, but not its count.
+        let plan = h.apply(&mut ids, &renamed)?;
+        let empty = vip_in(&plan, n.vip_empty).vip_id;
+        let (v, _) = h.run(g0, &client_syn(&n, n.vip_empty, 41006).bytes())?;
+        let dropped = h.dp.vip_drops(empty)?;
+        ensure!(
+            v == XDP_DROP && dropped == 1,
+            "a SYN to {}: verdict {v}, {dropped} drops counted",
+            n.vip_empty
+        );
+        let mut moved = renamed.clone();
+        let e = pool(&moved, "empty0");
+        moved.pool.remove(e);
+        for p in &mut moved.pool[e..] {
+            p.name += "-renamed";
+        }
+        let plan = h.apply(&mut ids, &moved)?;
+        let heir = plan
+            .vips
+            .iter()
+            .find(|v| v.vip_id == empty)
+            .context("no pool took the id of the one that left")?;
+        let inherited = h.dp.vip_drops(empty)?;
+        ensure!(
+            inherited == 0,
+            "pool {} has the {inherited} drops of the VIP its id had",
+            heir.pool
+        );
         Ok(())
     })
 }
@@ -2767,6 +2797,37 @@ fn dropped_dsr_syns_are_not_hinted(h: &mut Harness, n: &Net, plan: &Plan) -> Res
                 && now.hinted == stats.hinted + counted
                 && now.picks[0] == stats.picks[0] + counted,
             "{fam} hinted DSR SYN to {vip}: hint counters {before:?} -> {after:?}, bucket {stats:?} -> {now:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Each VIP counts the client packets the program dropped (`VIP_DROPS`): a SYN to the VIP
+/// without backends and one to a DSR VIP whose server is behind a router count once each, on
+/// their own VIP alone; a forwarded SYN counts nowhere.
+fn drops_are_counted_per_vip(h: &mut Harness, n: &Net, plan: &Plan) -> Result<()> {
+    let fam = if n.client.is_ipv4() { "v4" } else { "v6" };
+    let vips = [n.vip, n.vip_empty, n.vip_dsr_routed];
+    let drops = |h: &Harness| -> Result<Vec<u64>> {
+        vips.iter()
+            .map(|&v| h.dp.vip_drops(vip_in(plan, v).vip_id))
+            .collect()
+    };
+    for (k, &vip) in vips.iter().enumerate() {
+        let before = drops(h)?;
+        let (v, _) = h.run(h.g0, &client_syn(n, vip, 42000 + k as u16).bytes())?;
+        let after = drops(h)?;
+        let dropped = k > 0;
+        ensure!(
+            (v == XDP_DROP) == dropped,
+            "{fam} SYN to {vip}: verdict {v}"
+        );
+        let want: Vec<u64> = (before.iter().enumerate())
+            .map(|(i, &b)| b + u64::from(dropped && i == k))
+            .collect();
+        ensure!(
+            after == want,
+            "{fam} SYN to {vip}: drops per VIP {before:?} -> {after:?}, not {want:?}"
         );
     }
     Ok(())
