@@ -1861,12 +1861,11 @@ fn reloads_keep_every_vip() -> Result<()> {
         let mut renamed = fewer.clone();
         let nn = pool(&renamed, "nn0");
         renamed.pool[nn].name = "nn0-renamed".into();
-        h.apply(&mut ids, &renamed)?;
+        let plan = h.apply(&mut ids, &renamed)?;
         syn(&mut h, n.vip_nn, 41004, XDP_PASS, Counter::PassNoNeigh)?;
         syn(&mut h, n.vip_tx, 41005, XDP_REDIRECT, Counter::Redirect)?;
         // "empty0" drops a SYN and leaves; the pools after it, renamed, take new ids, one of
         // them its id, but not its count.
-        let plan = h.apply(&mut ids, &renamed)?;
         let empty = vip_in(&plan, n.vip_empty).vip_id;
         let (v, _) = h.run(g0, &client_syn(&n, n.vip_empty, 41006).bytes())?;
         let dropped = h.dp.vip_drops(empty)?;
